@@ -1,0 +1,60 @@
+"""jaxmp: mixed-precision training for JAX, Flax and optax.
+
+Dtype policies, loss scales as pytrees, and an optax wrapper that unscales
+gradients and skips non-finite steps without leaving the device. Flax pieces
+live in :mod:`jaxmp.flax`.
+"""
+
+from jaxmp.hardware import HardwareReport, auto_policy, hardware_report
+from jaxmp.loss_scale import (
+    DynamicLossScale,
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+)
+from jaxmp.policy import (
+    Policy,
+    cast_to_full,
+    cast_to_half,
+    get_policy,
+    half_dtype,
+)
+from jaxmp.scaling import (
+    LossScaleAtMinimumError,
+    LossScalingState,
+    check_loss_scale,
+    get_loss_scale,
+    loss_scaling,
+    loss_scaling_metrics,
+    scaled_value_and_grad,
+)
+from jaxmp.tree import all_finite, select_tree
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # Policies.
+    "Policy",
+    "get_policy",
+    "auto_policy",
+    "half_dtype",
+    "cast_to_full",
+    "cast_to_half",
+    "hardware_report",
+    "HardwareReport",
+    # Loss scales.
+    "LossScale",
+    "NoOpLossScale",
+    "StaticLossScale",
+    "DynamicLossScale",
+    "all_finite",
+    "select_tree",
+    # The optax wrapper.
+    "loss_scaling",
+    "LossScalingState",
+    "get_loss_scale",
+    "loss_scaling_metrics",
+    "scaled_value_and_grad",
+    "check_loss_scale",
+    "LossScaleAtMinimumError",
+]
