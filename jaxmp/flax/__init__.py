@@ -1,0 +1,29 @@
+"""Flax integration: a loss-scaling ``TrainState``, NNX training, per-module policies.
+
+* :class:`TrainState` wraps a Linen model's optimizer with
+  :func:`jaxmp.loss_scaling` and runs the loss under a policy.
+* For NNX, ``nnx.Optimizer(model, jaxmp.loss_scaling(...), wrt=nnx.Param)``
+  works as it is; :func:`nnx_scaled_value_and_grad` gives the scaled gradients.
+* :class:`ModulePolicy` runs chosen modules (``nn.LayerNorm``, ``"head"``) under
+  their own policy, for Linen and NNX models.
+* :func:`save_checkpoint` / :func:`restore_checkpoint` use orbax and check the
+  loss scale's configuration on resume.
+"""
+
+from jaxmp.flax.checkpoint import (
+    loss_scale_config,
+    restore_checkpoint,
+    save_checkpoint,
+)
+from jaxmp.flax.module_policy import ModulePolicy
+from jaxmp.flax.nnx_training import nnx_scaled_value_and_grad
+from jaxmp.flax.train_state import TrainState
+
+__all__ = [
+    "TrainState",
+    "ModulePolicy",
+    "nnx_scaled_value_and_grad",
+    "save_checkpoint",
+    "restore_checkpoint",
+    "loss_scale_config",
+]

@@ -1,0 +1,192 @@
+"""Checkpoints with orbax: the training state plus the loss scale's configuration.
+
+The arrays of a loss scale (scale, counters) are pytree leaves and are saved
+with the rest of the state. Its configuration (period, factor, hysteresis,
+min/max) is static: it lives in the *target* you restore into, i.e. in your
+code. :func:`save_checkpoint` also writes that configuration (and the policy)
+as JSON next to the arrays, and :func:`restore_checkpoint` checks that the
+target has the same, so that a changed ``period`` or ``min_loss_scale`` does
+not slip through a resume unnoticed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+
+from jaxmp.loss_scale import LossScale
+from jaxmp.scaling import LossScalingState
+
+
+def _is_nnx_node(x: Any) -> bool:
+  try:
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+  except ImportError:  # pragma: no cover
+    return False
+  return isinstance(x, (nnx.Module, nnx.Optimizer)) or (
+      isinstance(x, (tuple, list)) and x and all(_is_nnx_node(y) for y in x)
+  )
+
+
+def _loss_scales(target: Any) -> list[LossScale]:
+  is_state = lambda x: isinstance(x, LossScalingState)
+  if _is_nnx_node(target):
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+
+    nodes = [node for _, node in nnx.iter_graph(target)]
+  else:
+    nodes = jax.tree_util.tree_leaves(target, is_leaf=is_state)
+  return [node.loss_scale for node in nodes if is_state(node)]
+
+
+def loss_scale_config(target: Any) -> dict[str, Any]:
+  """Returns the static configuration of the loss scale held in ``target``.
+
+  Args:
+    target: a :class:`jaxmp.flax.TrainState`, an optimizer state, an
+      ``nnx.Optimizer`` (or a tuple of NNX objects), or a loss scale.
+
+  Returns:
+    ``{"type": class name, field: value, ...}`` with the static fields
+    (``period``, ``factor``, ``min_loss_scale``, ``backoff_factor``,
+    ``max_loss_scale``, ``hysteresis``, ``consecutive_hysteresis`` for a
+    :class:`jaxmp.DynamicLossScale`); ``{}`` when there is no loss scale.
+
+  Raises:
+    ValueError: if ``target`` holds more than one loss-scaling state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
+    >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(period=7))
+    >>> jaxmp.flax.loss_scale_config(tx.init(jnp.ones(2)))["period"]
+    7
+  """
+  if isinstance(target, LossScale):
+    scales = [target]
+  else:
+    scales = _loss_scales(target)
+  if not scales:
+    return {}
+  if len(scales) > 1:
+    raise ValueError(
+        f"loss_scale_config: found {len(scales)} loss-scaling states; wrap the "
+        "whole optimizer once with jaxmp.loss_scaling."
+    )
+  scale = scales[0]
+  config = {"type": type(scale).__name__}
+  for field in dataclasses.fields(scale):
+    if field.metadata.get("static"):
+      config[field.name] = getattr(scale, field.name)
+  return config
+
+
+def _config(target: Any) -> dict[str, Any]:
+  config = {"loss_scale": loss_scale_config(target)}
+  policy = getattr(target, "policy", None)
+  if policy is not None:
+    config["policy"] = str(policy)
+  return config
+
+
+def _checkpointer():
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  return ocp, ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+
+
+def save_checkpoint(directory: str | os.PathLike[str], target: Any, *,
+                    force: bool = False) -> None:
+  """Saves a training state with orbax, loss scale and its configuration included.
+
+  Args:
+    directory: the checkpoint directory (created; it must not exist unless
+      ``force``).
+    target: a :class:`jaxmp.flax.TrainState` or any pytree of arrays, or NNX
+      objects (an ``nnx.Optimizer``, or a tuple such as ``(model,
+      optimizer)``), whose ``nnx.state`` is saved.
+    force: overwrite an existing checkpoint.
+
+  Example:
+    >>> import os, tempfile, jax.numpy as jnp, optax, jaxmp, jaxmp.flax
+    >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(period=7))
+    >>> state = tx.init(jnp.ones(2))
+    >>> path = os.path.join(tempfile.mkdtemp(), "step_0")
+    >>> jaxmp.flax.save_checkpoint(path, state)
+    >>> restored = jaxmp.flax.restore_checkpoint(path, state)
+    >>> jaxmp.get_loss_scale(restored).period
+    7
+  """
+  ocp, checkpointer = _checkpointer()
+  items = target
+  if _is_nnx_node(target):
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+
+    items = nnx.state(target)
+  checkpointer.save(
+      os.path.abspath(os.fspath(directory)),
+      args=ocp.args.Composite(
+          state=ocp.args.StandardSave(items),
+          jaxmp_config=ocp.args.JsonSave(_config(target)),
+      ),
+      force=force,
+  )
+
+
+def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
+                       check_config: bool = True) -> Any:
+  """Restores a checkpoint written by :func:`save_checkpoint` into ``target``.
+
+  Args:
+    directory: the checkpoint directory.
+    target: what to restore into. A pytree (e.g. the
+      :class:`jaxmp.flax.TrainState` built by your code, or
+      ``jax.eval_shape`` of it) gives the structure, dtypes and static
+      configuration; a new pytree is returned. NNX objects (an
+      ``nnx.Optimizer``, or a tuple such as ``(model, optimizer)``) are
+      updated in place and returned.
+    check_config: compare the saved loss-scale configuration and policy with
+      the target's, and raise if they differ.
+
+  Returns:
+    The restored state.
+
+  Raises:
+    ValueError: if ``check_config`` and the loss scale's configuration or the
+      policy of ``target`` differ from the saved ones.
+  """
+  ocp, checkpointer = _checkpointer()
+  nnx_target = _is_nnx_node(target)
+  if nnx_target:
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+
+    items = nnx.state(target)
+  else:
+    items = target
+  restored = checkpointer.restore(
+      os.path.abspath(os.fspath(directory)),
+      args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(items),
+          jaxmp_config=ocp.args.JsonRestore(),
+      ),
+  )
+  if check_config:
+    saved = restored.jaxmp_config
+    expected = _config(target)
+    if saved != expected:
+      raise ValueError(
+          "restore_checkpoint: the checkpoint was saved with the configuration "
+          f"{saved}, but the target has {expected}. The loss scale's "
+          "configuration and the policy come from the target (your code). "
+          "Build the target with the saved configuration, or pass "
+          "check_config=False to resume under the new one."
+      )
+  if nnx_target:
+    nnx.update(target, restored.state)
+    return target
+  return restored.state
+
+
+__all__ = ["loss_scale_config", "restore_checkpoint", "save_checkpoint"]

@@ -1,0 +1,90 @@
+"""NNX training with loss scaling: the scaled ``nnx.value_and_grad``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from jaxmp.loss_scale import LossScale
+
+
+def nnx_scaled_value_and_grad(
+    fun: Callable[..., Any],
+    loss_scale: LossScale,
+    *,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., Any]:
+  """Like ``nnx.value_and_grad``, but differentiates the scaled loss.
+
+  The NNX counterpart of :func:`jaxmp.scaled_value_and_grad`: ``fun`` takes
+  NNX modules (or other arguments), the gradients are taken with respect to
+  the ``nnx.Param`` variables of the argument(s) ``argnums`` and are those of
+  ``loss_scale.scale(loss)``, which is what an ``nnx.Optimizer`` built on
+  :func:`jaxmp.loss_scaling` expects. The returned value is the *unscaled*
+  loss (with aux when ``has_aux``).
+
+  Args:
+    fun: the loss function; returns a scalar (and aux when ``has_aux``).
+    loss_scale: the current loss scale,
+      ``jaxmp.get_loss_scale(optimizer.opt_state)``.
+    argnums: which positional arguments to differentiate.
+    has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+  Returns:
+    A function with the signature of ``fun`` returning ``(loss, grads)`` or
+    ``((loss, aux), grads)``.
+
+  Raises:
+    TypeError: if ``loss_scale`` is not a loss scale.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
+    >>> from flax import nnx
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> optimizer = nnx.Optimizer(
+    ...     model, jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale()),
+    ...     wrt=nnx.Param)
+    >>> x = jnp.ones((4, 2))
+    >>> @nnx.jit
+    ... def train_step(model, optimizer, x):
+    ...   loss_fn = lambda model: jnp.mean(model(x) ** 2)
+    ...   loss, grads = jaxmp.flax.nnx_scaled_value_and_grad(
+    ...       loss_fn, jaxmp.get_loss_scale(optimizer.opt_state))(model)
+    ...   optimizer.update(model, grads)
+    ...   return loss, jaxmp.loss_scaling_metrics(optimizer.opt_state)
+    >>> loss, metrics = train_step(model, optimizer, x)
+    >>> int(metrics["skipped_steps"]), float(metrics["loss_scale"])
+    (0, 32768.0)
+  """
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  if not isinstance(loss_scale, LossScale):
+    raise TypeError(
+        "nnx_scaled_value_and_grad expects a loss scale as its second "
+        f"argument, got a {type(loss_scale).__name__}. With an nnx.Optimizer, "
+        "pass jaxmp.get_loss_scale(optimizer.opt_state)."
+    )
+
+  def scaled(*args, **kwargs):
+    out = fun(*args, **kwargs)
+    if has_aux:
+      if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(
+            "nnx_scaled_value_and_grad(has_aux=True) expects fun to return a "
+            f"pair (loss, aux); got {type(out).__name__}."
+        )
+      loss, aux = out
+    else:
+      loss, aux = out, None
+    return loss_scale.scale(loss), (loss, aux)
+
+  grad_fn = nnx.value_and_grad(scaled, argnums=argnums, has_aux=True)
+
+  def value_and_grad(*args, **kwargs):
+    (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+    return ((loss, aux) if has_aux else loss), grads
+
+  return value_and_grad
+
+
+__all__ = ["nnx_scaled_value_and_grad"]
