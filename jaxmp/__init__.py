@@ -5,6 +5,7 @@ gradients and skips non-finite steps without leaving the device. Flax pieces
 live in :mod:`jaxmp.flax`.
 """
 
+from jaxmp.distributed import opt_state_shardings
 from jaxmp.hardware import HardwareReport, auto_policy, hardware_report
 from jaxmp.loss_scale import (
     DynamicLossScale,
@@ -57,4 +58,6 @@ __all__ = [
     "scaled_value_and_grad",
     "check_loss_scale",
     "LossScaleAtMinimumError",
+    # Distributed training.
+    "opt_state_shardings",
 ]

@@ -28,6 +28,18 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
+class _Default:
+  """Marks a state field left to its default. Not ``None``: JAX rebuilds
+  pytrees with ``None`` leaves (``jit``'s shardings and layouts), and those
+  must stay ``None``."""
+
+  def __repr__(self):
+    return "<default>"
+
+
+_DEFAULT = _Default()
+
+
 def _static(**kwargs):
   return dataclasses.field(metadata={"static": True}, **kwargs)
 
@@ -36,17 +48,18 @@ def _state_value(value: Any, dtype: Any, name: str, cls: str) -> Any:
   """Stores a state field as an array of ``dtype``.
 
   Python and NumPy numbers become NumPy arrays (and are returned together with
-  their value for validation). JAX arrays and tracers are checked for dtype and
-  shape only. Anything else (e.g. placeholders that JAX puts in pytrees) is
+  their value for validation). JAX arrays and tracers are checked for dtype
+  only: they may carry leading axes, as the per-device copies that ``pmap``
+  stacks do. Anything else (e.g. placeholders that JAX puts in pytrees) is
   passed through untouched.
   """
   dtype = np.dtype(dtype)
   if isinstance(value, jax.Array):
-    if value.dtype != dtype or value.shape != ():
+    if value.dtype != dtype:
       raise TypeError(
-          f"{cls}.{name} must be a scalar {dtype} array, got shape "
-          f"{value.shape} and dtype {value.dtype}. Pass a Python number or "
-          f"jnp.asarray(value, jnp.{dtype.name})."
+          f"{cls}.{name} must be a scalar {dtype} array (or per-device "
+          f"copies of one, stacked by pmap), got dtype {value.dtype}. Pass a "
+          f"Python number or jnp.asarray(value, jnp.{dtype.name})."
       )
     return value
   if isinstance(value, (bool, np.bool_)):
@@ -293,7 +306,7 @@ class DynamicLossScale(LossScale):
   max_loss_scale: float | None = _static(default=None, kw_only=True)
   hysteresis: int = _static(default=1, kw_only=True)
   consecutive_hysteresis: bool = _static(default=False, kw_only=True)
-  hysteresis_left: Any = dataclasses.field(default=None, kw_only=True)
+  hysteresis_left: Any = dataclasses.field(default=_DEFAULT, kw_only=True)
   overflows_at_min: Any = dataclasses.field(default=0, kw_only=True)
 
   def __post_init__(self):
@@ -354,7 +367,7 @@ class DynamicLossScale(LossScale):
 
     scale = _state_value(self.loss_scale, np.float32, "loss_scale", cls)
     counter = _state_value(self.counter, np.int32, "counter", cls)
-    left = self.hysteresis if self.hysteresis_left is None else self.hysteresis_left
+    left = self.hysteresis if self.hysteresis_left is _DEFAULT else self.hysteresis_left
     left = _state_value(left, np.int32, "hysteresis_left", cls)
     overflows = _state_value(self.overflows_at_min, np.int32, "overflows_at_min", cls)
     setf("loss_scale", scale)
