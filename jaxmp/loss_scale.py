@@ -99,30 +99,19 @@ def _check_number(value: Any, name: str, cls: str, *, integer: bool = False):
 
 
 def _multiply(x: jax.Array, factor: float) -> jax.Array:
-  """``x * factor`` for a float32 ``x``, rounded once as in float64.
+  """``x * factor`` for a float32 ``x`` and a Python float, rounded as PyTorch.
 
-  PyTorch multiplies its float32 scale by a Python float in double precision.
-  When ``factor`` is exactly a float32 (2, 0.5 ...) one float32 product is
-  exact; otherwise the product is formed from a float32 head and tail of
-  ``factor`` with an error-free product of the head (Dekker), so that factors
-  such as 0.1 or 1.1 give the same trajectory as in float64.
+  PyTorch multiplies its float32 scale by a Python float in double precision
+  and stores the result as float32. When ``factor`` is exactly a float32
+  number (2, 0.5 ...) one float32 product gives that result; otherwise (0.1,
+  1.1 ...) the product is formed in float64, locally, whatever the global
+  ``jax_enable_x64`` setting.
   """
-  head = np.float32(factor)
-  tail = np.float32(factor - float(head))
-  product = x * head
-  if tail == 0:
-    return product
-
-  def split(a):
-    c = a * np.float32(4097.0)
-    hi = c - (c - a)
-    return hi, a - hi
-
-  x_hi, x_lo = split(x)
-  h_hi, h_lo = split(jnp.asarray(head))
-  error = ((x_hi * h_hi - product) + x_hi * h_lo + x_lo * h_hi) + x_lo * h_lo
-  exact = product + (error + x * tail)
-  return jnp.where(jnp.isfinite(exact), exact, product)
+  if float(np.float32(factor)) == factor:
+    return x * np.float32(factor)
+  with jax.enable_x64(True):
+    product = jnp.asarray(x, jnp.float64) * jnp.asarray(factor, jnp.float64)
+    return product.astype(jnp.float32)
 
 
 def _leaf_dtype(x: jax.Array) -> np.dtype:

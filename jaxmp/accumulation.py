@@ -1,0 +1,76 @@
+"""Gradient accumulation with loss scaling, built on ``optax.MultiSteps``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxmp.loss_scale import LossScale
+from jaxmp.scaling import loss_scaling
+
+
+def multi_steps(
+    inner: optax.GradientTransformation,
+    loss_scale: LossScale,
+    every_k_schedule: int | Callable[[jax.Array], jax.Array],
+    *,
+    axis_name: Any = None,
+    **multi_steps_kwargs: Any,
+) -> optax.GradientTransformationExtraArgs:
+  """``optax.MultiSteps(jaxmp.loss_scaling(inner, loss_scale), k)``, made safe.
+
+  Call ``update`` once per micro-batch with the gradients of the *scaled*
+  loss, exactly as with ``optax.MultiSteps``. The loss scale stays constant
+  within an accumulation, so the accumulated gradients share one scale; on the
+  k-th micro-batch they are unscaled and checked. If any micro-batch of the
+  accumulation was non-finite, the whole accumulated step is skipped (zero
+  updates, inner state bit-identical), the scale backs off once, and the next
+  accumulation starts from a clean, zero accumulator.
+
+  ``optax.MultiSteps`` alone resets its accumulator by multiplying it by zero,
+  which keeps a nan (``0 * nan = nan``): one bad micro-batch would make every
+  later accumulated step non-finite. This wrapper zeroes the accumulator with
+  ``jnp.where`` after each emitted step instead.
+
+  The state is ``optax.MultiStepsState``: ``jaxmp.get_loss_scale``,
+  ``jaxmp.loss_scaling_metrics`` and ``optax.MultiSteps.has_updated`` read it.
+
+  Args:
+    inner: the optimizer to wrap (clipping and schedules inside).
+    loss_scale: the initial loss scale.
+    every_k_schedule: the number of micro-batches per step, an int or a
+      function of the step count, as in ``optax.MultiSteps``.
+    axis_name: as in :func:`jaxmp.loss_scaling`.
+    **multi_steps_kwargs: passed to ``optax.MultiSteps`` (e.g.
+      ``use_grad_mean``).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jaxmp
+    >>> tx = jaxmp.multi_steps(optax.sgd(1.0), jaxmp.StaticLossScale(4.0), 2)
+    >>> params = {"w": jnp.zeros(2)}
+    >>> state = tx.init(params)
+    >>> _, state = tx.update({"w": jnp.array([jnp.nan, 4.0])}, state, params)
+    >>> updates, state = tx.update({"w": jnp.array([4.0, 4.0])}, state, params)
+    >>> updates["w"], int(state.inner_opt_state.skipped_steps)  # step skipped
+    (Array([-0., -0.], dtype=float32), 1)
+    >>> state.acc_grads["w"]  # and the accumulator starts clean
+    Array([0., 0.], dtype=float32)
+  """
+  accumulate = optax.MultiSteps(
+      loss_scaling(inner, loss_scale, axis_name=axis_name),
+      every_k_schedule,
+      **multi_steps_kwargs,
+  )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    updates, state = accumulate.update(updates, state, params, **extra_args)
+    emitted = state.mini_step == 0
+    acc_grads = jax.tree_util.tree_map(
+        lambda acc: jnp.where(emitted, jnp.zeros_like(acc), acc), state.acc_grads
+    )
+    return updates, state._replace(acc_grads=acc_grads)
+
+  return optax.GradientTransformationExtraArgs(accumulate.init, update_fn)
