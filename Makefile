@@ -28,5 +28,12 @@ test: $(VENV)/.installed-test
 test-slow: $(VENV)/.installed-test
 	$(PY) -m pytest -n 2 -m slow --run-slow $(PYTEST_ARGS)
 
+# The documentation site: built strictly into site/, or served on 127.0.0.1:8000.
+docs: $(VENV)/.installed-test
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+docs-serve: $(VENV)/.installed-test
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr 127.0.0.1:8000
+
 clean:
 	rm -rf $(VENV) site build *.egg-info
