@@ -6,6 +6,14 @@ live in :mod:`jaxmp.flax`.
 """
 
 from jaxmp.distributed import opt_state_shardings
+from jaxmp.diagnostics import (
+    dtype_headroom,
+    finite_mask,
+    grad_stats,
+    nonfinite_paths,
+    report_nonfinite,
+    suggest_loss_scale,
+)
 from jaxmp.hardware import HardwareReport, auto_policy, hardware_report
 from jaxmp.loss_scale import (
     DynamicLossScale,
@@ -13,6 +21,8 @@ from jaxmp.loss_scale import (
     NoOpLossScale,
     StaticLossScale,
 )
+from jaxmp.migration import from_deepspeed_config, from_torch_grad_scaler
+from jaxmp.monitor import LossScaleMonitor
 from jaxmp.policy import (
     Policy,
     cast_to_full,
@@ -60,4 +70,15 @@ __all__ = [
     "LossScaleAtMinimumError",
     # Distributed training.
     "opt_state_shardings",
+    # Migration.
+    "from_deepspeed_config",
+    "from_torch_grad_scaler",
+    # Diagnostics and monitoring.
+    "nonfinite_paths",
+    "grad_stats",
+    "dtype_headroom",
+    "suggest_loss_scale",
+    "finite_mask",
+    "report_nonfinite",
+    "LossScaleMonitor",
 ]

@@ -29,6 +29,39 @@ def _run_doctor(args: argparse.Namespace) -> int:
   return 0
 
 
+def _add_convert(parser: argparse.ArgumentParser) -> None:
+  parser.add_argument(
+      "config", metavar="CONFIG.json",
+      help="a DeepSpeed config (JSON; // and /* */ comments are accepted)",
+  )
+
+
+def _run_convert(args: argparse.Namespace) -> int:
+  import warnings  # pylint: disable=g-import-not-at-top
+
+  from jaxmp.migration import deepspeed_config_to_code  # pylint: disable=g-import-not-at-top
+
+  def one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+  try:
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      code, left_out = deepspeed_config_to_code(
+          args.config, source=f"the DeepSpeed config {args.config}"
+      )
+  except (ValueError, TypeError) as e:
+    print(f"jaxmp convert: error: {one_line(e)}", file=sys.stderr)
+    return 2
+  for warning in caught:
+    print(f"jaxmp convert: warning: {one_line(warning.message)}", file=sys.stderr)
+  for key, advice in left_out:
+    print(f"jaxmp convert: warning: '{key}' is not converted: {advice}",
+          file=sys.stderr)
+  sys.stdout.write(code)
+  return 0
+
+
 # name -> (help, add_arguments, run)
 SUBCOMMANDS: dict[
     str,
@@ -40,6 +73,12 @@ SUBCOMMANDS: dict[
         "recommended policy and loss scale",
         _add_doctor,
         _run_doctor,
+    ),
+    "convert": (
+        "print the jaxmp code equivalent to a DeepSpeed config "
+        "(fp16/bf16, optimizer, clipping, accumulation)",
+        _add_convert,
+        _run_convert,
     ),
 }
 

@@ -62,18 +62,22 @@ PRESETS = {
 VALID_PRESETS = (*PRESETS, "auto")
 
 
-def half_dtype() -> np.dtype:
-  """Returns the platform's half-precision dtype, as jmp does.
+def half_dtype() -> Any:
+  """Returns the platform's half-precision type, as jmp does.
 
-  bfloat16 on TPU, float16 everywhere else.
+  ``jnp.bfloat16`` on TPU, ``jnp.float16`` everywhere else. Like jmp's, the
+  result is the JAX scalar type: it compares equal to the NumPy dtype and can
+  be called, as in ``jmp.half_dtype()(2 ** 15)``.
 
   Example:
-    >>> import jaxmp
-    >>> str(jaxmp.half_dtype())  # on the CPU
-    'float16'
+    >>> import jax.numpy as jnp, numpy as np, jaxmp
+    >>> jaxmp.half_dtype() is jnp.float16  # on the CPU
+    True
+    >>> jaxmp.half_dtype() == np.dtype("float16")
+    True
   """
   platform = jax.local_devices()[0].platform
-  return np.dtype(jnp.bfloat16 if platform == "tpu" else jnp.float16)
+  return jnp.bfloat16 if platform == "tpu" else jnp.float16
 
 
 def parse_dtype(name: Any) -> np.dtype:
@@ -86,7 +90,7 @@ def parse_dtype(name: Any) -> np.dtype:
   if isinstance(name, str):
     key = name.strip()
     if key == "half":
-      return half_dtype()
+      return np.dtype(half_dtype())
     if key not in _DTYPE_NAMES:
       hint = ""
       if ";" in key or "," in key:

@@ -1,0 +1,345 @@
+"""Diagnostics: which leaves overflowed, gradient statistics, dtype headroom.
+
+:func:`nonfinite_paths` is host-side. :func:`grad_stats`,
+:func:`dtype_headroom`, :func:`suggest_loss_scale`, :func:`finite_mask` and
+:func:`report_nonfinite` work inside ``jit``. Paths are written as
+``jax.tree_util.keystr`` writes them, e.g. ``['dense']['kernel']``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_logger = logging.getLogger("jaxmp")
+
+
+def _is_inexact(x: Any) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _float_leaves(tree: Any) -> list[jax.Array]:
+  """The floating (and complex) leaves of ``tree``, as arrays."""
+  return [jnp.asarray(x) for x in jax.tree_util.tree_leaves(tree) if _is_inexact(x)]
+
+
+def _wide(x: jax.Array) -> jax.Array:
+  """``x`` in at least float32 (float64 stays), magnitudes for complex."""
+  if jnp.issubdtype(x.dtype, jnp.complexfloating):
+    x = jnp.abs(x)
+  if x.dtype.itemsize < 4:
+    return x.astype(jnp.float32)
+  return x
+
+
+def nonfinite_paths(tree: Any) -> list[str]:
+  """Returns the paths of the leaves of ``tree`` that hold inf or nan.
+
+  Host-side: it reads every floating leaf from the device, so call it outside
+  ``jit`` (e.g. on a batch or on gradients kept from a skipped step). Integer,
+  boolean and non-array leaves are never reported.
+
+  Args:
+    tree: a pytree.
+
+  Returns:
+    The paths, as ``jax.tree_util.keystr`` writes them, in leaf order.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxmp
+    >>> grads = {"dense": {"kernel": jnp.array([1.0, jnp.inf]), "bias": jnp.zeros(2)},
+    ...          "norm": {"scale": jnp.array([jnp.nan])}}
+    >>> jaxmp.nonfinite_paths(grads)
+    ["['dense']['kernel']", "['norm']['scale']"]
+  """
+  paths = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if not _is_inexact(leaf):
+      continue
+    value = np.asarray(jax.device_get(leaf))
+    if not np.all(np.isfinite(value)):
+      paths.append(jax.tree_util.keystr(path))
+  return paths
+
+
+def finite_mask(tree: Any) -> Any:
+  """Returns a pytree of scalar bools: whether each leaf is free of inf and nan.
+
+  Jit-safe and cheap (one reduction per leaf, no host transfer): put it in
+  the metrics a training step returns, and read it on the host only when a
+  step was skipped. Non-floating leaves are reported as finite.
+
+  Args:
+    tree: a pytree, e.g. the gradients.
+
+  Returns:
+    A pytree of the structure of ``tree`` with a scalar bool array per leaf.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxmp
+    >>> mask = jax.jit(jaxmp.finite_mask)({"a": jnp.ones(2), "b": jnp.array([jnp.nan])})
+    >>> [jax.tree_util.keystr(path)
+    ...  for path, ok in jax.tree_util.tree_leaves_with_path(mask) if not ok]
+    ["['b']"]
+  """
+
+  def leaf_finite(x):
+    if not _is_inexact(x):
+      return jnp.ones([], jnp.bool_)
+    return jnp.all(jnp.isfinite(jnp.asarray(x)))
+
+  return jax.tree_util.tree_map(leaf_finite, tree)
+
+
+def _log_nonfinite(paths: list[str], step: int | None) -> None:
+  where = "" if step is None else f" at step {step}"
+  _logger.warning(
+      "jaxmp: non-finite values%s in %d leaf/leaves: %s",
+      where, len(paths), ", ".join(paths),
+  )
+
+
+def report_nonfinite(
+    tree: Any,
+    *,
+    step: Any = None,
+    callback: Callable[[list[str], int | None], None] | None = None,
+) -> jax.Array:
+  """Reports the leaves that hold inf or nan, only when there are any; jit-safe.
+
+  Computes one finiteness flag per leaf on the device. A
+  ``jax.debug.callback`` placed in the non-finite branch of a ``lax.cond``
+  sends the flags to the host only on a step with inf or nan; good steps
+  transfer nothing. (On GPU, a ``lax.cond`` reads its scalar predicate on the
+  host; :func:`finite_mask` in the metrics avoids even that.)
+
+  Args:
+    tree: a pytree, e.g. the gradients.
+    step: optional step number (an int array under ``jit``), passed on to the
+      report.
+    callback: called on the host as ``callback(paths, step)``, with the
+      ``jax.tree_util.keystr`` paths of the non-finite leaves and the step (or
+      ``None``). Default: a warning on the ``"jaxmp"`` logger.
+
+  Returns:
+    A scalar bool array: whether the whole tree is finite.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxmp
+    >>> seen = []
+    >>> @jax.jit
+    ... def check(grads, step):
+    ...   return jaxmp.report_nonfinite(
+    ...       grads, step=step, callback=lambda paths, s: seen.append((s, paths)))
+    >>> bool(check({"w": jnp.ones(2), "b": jnp.zeros(1)}, 1))
+    True
+    >>> bool(check({"w": jnp.array([1.0, jnp.inf]), "b": jnp.zeros(1)}, 2))
+    False
+    >>> jax.effects_barrier(); seen
+    [(2, ["['w']"])]
+  """
+  report = _log_nonfinite if callback is None else callback
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  paths = [jax.tree_util.keystr(path) for path, _ in leaves]
+  if not leaves:
+    return jnp.ones([], jnp.bool_)
+  flags = jnp.stack(jax.tree_util.tree_leaves(finite_mask([x for _, x in leaves])))
+  finite = jnp.all(flags)
+  has_step = step is not None
+  step_value = jnp.asarray(step if has_step else 0, jnp.int32)
+
+  def on_host(flags, step_value):
+    bad = [p for p, ok in zip(paths, np.asarray(flags)) if not ok]
+    report(bad, int(step_value) if has_step else None)
+
+  jax.lax.cond(
+      finite,
+      lambda flags, step_value: None,
+      lambda flags, step_value: jax.debug.callback(on_host, flags, step_value),
+      flags,
+      step_value,
+  )
+  return finite
+
+
+def grad_stats(tree: Any) -> dict[str, jax.Array]:
+  """Returns summary statistics of the floating leaves of ``tree``; jit-safe.
+
+  Computed in float32 (float64 leaves stay float64), so float16 gradients do
+  not overflow while squared. Non-floating leaves are ignored.
+
+  Args:
+    tree: a pytree, e.g. the gradients.
+
+  Returns:
+    A dict of scalar arrays:
+
+    * ``global_norm``: the L2 norm over all leaves (inf or nan when a value
+      is);
+    * ``max_abs``: the largest absolute value (nan when a value is nan);
+    * ``nonfinite_count``: the number of inf and nan values (int32);
+    * ``zero_fraction``: the fraction of values that are exactly zero (0 for
+      an empty tree).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxmp
+    >>> stats = jax.jit(jaxmp.grad_stats)(
+    ...     {"a": jnp.array([3.0, 0.0]), "b": jnp.array([4.0, 0.0], jnp.float16)})
+    >>> {k: float(v) for k, v in stats.items()}
+    {'global_norm': 5.0, 'max_abs': 4.0, 'nonfinite_count': 0.0, 'zero_fraction': 0.5}
+  """
+  leaves = [_wide(x) for x in _float_leaves(tree)]
+  if not leaves:
+    return {
+        "global_norm": jnp.zeros([], jnp.float32),
+        "max_abs": jnp.zeros([], jnp.float32),
+        "nonfinite_count": jnp.zeros([], jnp.int32),
+        "zero_fraction": jnp.zeros([], jnp.float32),
+    }
+  dtype = jnp.result_type(*[x.dtype for x in leaves])
+  leaves = [x.astype(dtype) for x in leaves]
+  size = sum(x.size for x in leaves)
+  sum_squares = sum(jnp.sum(jnp.square(x)) for x in leaves)
+  max_abs = jnp.max(jnp.stack([
+      jnp.max(jnp.abs(x), initial=0.0) if x.size else jnp.zeros([], dtype)
+      for x in leaves
+  ]))
+  # Propagate nan explicitly, whatever the reduction does with it.
+  any_nan = jnp.any(jnp.stack([jnp.any(jnp.isnan(x)) for x in leaves]))
+  nonfinite = sum(jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) for x in leaves)
+  zeros = sum(jnp.sum(x == 0, dtype=jnp.int32) for x in leaves)
+  return {
+      "global_norm": jnp.sqrt(sum_squares),
+      "max_abs": jnp.where(any_nan, jnp.asarray(jnp.nan, dtype), max_abs),
+      "nonfinite_count": jnp.asarray(nonfinite, jnp.int32),
+      "zero_fraction": zeros.astype(dtype) / np.asarray(max(size, 1), dtype),
+  }
+
+
+def _thresholds(dtype: Any) -> tuple[float, float, float]:
+  """Magnitudes at which a cast to ``dtype`` (round to nearest) overflows,
+  flushes to zero, or stops being subnormal."""
+  info = jnp.finfo(dtype)
+  largest = float(info.max)
+  half_ulp_at_max = math.ldexp(float(info.eps), info.maxexp - 1) / 2
+  half_smallest = float(info.smallest_subnormal) / 2
+  return largest + half_ulp_at_max, half_smallest, float(info.tiny) - half_smallest
+
+
+def dtype_headroom(tree: Any, dtype: Any) -> dict[str, jax.Array]:
+  """Fractions of the values of ``tree`` that a cast to ``dtype`` would spoil.
+
+  Jit-safe. Each finite value is classified by the magnitude at which
+  round-to-nearest would turn it into inf (or nan for formats without inf),
+  into zero, or into a subnormal of ``dtype``. Comparisons are made in float32
+  (float64 inputs in float64); backends that flush float32 subnormals treat
+  such inputs as zero.
+
+  Args:
+    tree: a pytree; only its floating leaves are counted.
+    dtype: the target dtype, e.g. ``jnp.float16``.
+
+  Returns:
+    A dict of float32 scalar fractions of all floating values:
+
+    * ``overflow``: finite values that would become inf or nan;
+    * ``underflow``: non-zero values that would become zero;
+    * ``subnormal``: values that would become subnormal (losing precision);
+    * ``nonfinite``: values that already are inf or nan.
+
+  Raises:
+    TypeError: if ``dtype`` is not a floating dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxmp
+    >>> x = jnp.array([1e5, 1e-8, 1e-6, 1.0])
+    >>> {k: float(v) for k, v in jaxmp.dtype_headroom(x, jnp.float16).items()}
+    {'overflow': 0.25, 'underflow': 0.25, 'subnormal': 0.25, 'nonfinite': 0.0}
+  """
+  try:
+    target = np.dtype(dtype)
+  except TypeError:
+    target = None
+  if target is None or not jnp.issubdtype(target, jnp.floating):
+    raise TypeError(
+        f"dtype_headroom: dtype must be a floating dtype such as jnp.float16 "
+        f"or jnp.bfloat16, got {dtype!r}."
+    )
+  overflow_at, zero_at, normal_at = _thresholds(target)
+  counts = {"overflow": 0, "underflow": 0, "subnormal": 0, "nonfinite": 0}
+  size = 0
+  for x in _float_leaves(tree):
+    x = _wide(x)
+    size += x.size
+    magnitude = jnp.abs(x)
+    finite = jnp.isfinite(x)
+    # Thresholds beyond the compared dtype's range become inf (never reached).
+    over = np.asarray(
+        np.inf if overflow_at > float(jnp.finfo(x.dtype).max) else overflow_at,
+        x.dtype,
+    )
+    zero = np.asarray(zero_at, x.dtype)
+    normal = np.asarray(normal_at, x.dtype)
+    masks = {
+        "overflow": finite & (magnitude >= over),
+        "underflow": (magnitude != 0) & (magnitude <= zero),
+        "subnormal": (magnitude > zero) & (magnitude < normal),
+        "nonfinite": ~finite,
+    }
+    for key, mask in masks.items():
+      counts[key] = counts[key] + jnp.sum(mask, dtype=jnp.int32)
+  denominator = np.float32(max(size, 1))
+  return {
+      key: jnp.asarray(count, jnp.float32) / denominator
+      for key, count in counts.items()
+  }
+
+
+def suggest_loss_scale(grads: Any, dtype: Any = jnp.float16) -> jax.Array:
+  """The largest power of two that keeps the largest gradient finite in ``dtype``.
+
+  Jit-safe. ``grads`` are the gradients of the *unscaled* loss (computed in
+  float32, for instance on a few batches before training); the result ``s``
+  is the largest ``2**k`` with ``max|g| * s <= finfo(dtype).max``, clipped to
+  float32's normal range ``[2**-126, 2**127]`` (so all-zero gradients give
+  ``2**127``). Gradients holding inf or nan give nan. Start a
+  :class:`jaxmp.DynamicLossScale` at or below it.
+
+  Args:
+    grads: a pytree of gradients; non-floating leaves are ignored.
+    dtype: the dtype the scaled gradients must fit, by default float16.
+
+  Returns:
+    A float32 scalar array.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxmp
+    >>> float(jaxmp.suggest_loss_scale({"w": jnp.array([1e-3, -0.5])}))
+    65536.0
+  """
+  largest = float(jnp.finfo(dtype).max)
+  stats = grad_stats(grads)
+  max_abs = stats["max_abs"].astype(jnp.float32)
+  estimate = jnp.floor(np.float32(math.log2(largest)) - jnp.log2(max_abs))
+  power = jnp.clip(jnp.nan_to_num(estimate, posinf=127.0), -126, 127).astype(jnp.int32)
+  # Correct the float rounding of the logarithms by one step either way.
+  power = jnp.where(jnp.ldexp(max_abs, power + 1) <= largest, power + 1, power)
+  power = jnp.where(jnp.ldexp(max_abs, power) > largest, power - 1, power)
+  power = jnp.clip(power, -126, 127)
+  scale = jnp.ldexp(jnp.ones([], jnp.float32), power)
+  return jnp.where(jnp.isfinite(max_abs), scale, jnp.float32(jnp.nan))
+
+
+__all__ = [
+    "dtype_headroom",
+    "finite_mask",
+    "grad_stats",
+    "nonfinite_paths",
+    "report_nonfinite",
+    "suggest_loss_scale",
+]
