@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxmp._fold import update_or_keep
 from jaxmp.loss_scale import LossScale
 from jaxmp.tree import all_finite
 
@@ -120,15 +121,15 @@ def loss_scaling(
     finite = all_finite(grads)
     if axis_name is not None:
       finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-    inner_updates, inner_state = inner.update(
-        grads, state.inner_state, params, **extra_args
+    # The old inner state is selected where each new leaf is produced, so that
+    # XLA writes it once, in place (see jaxmp/_fold.py).
+    inner_updates, inner_state = update_or_keep(
+        lambda g, s, p: inner.update(g, s, p, **extra_args),
+        finite, grads, state.inner_state, params,
     )
     # On a skipped step, -0.0 is the exact identity of `p + u` (even for p=-0.0).
     updates = jax.tree_util.tree_map(
         lambda u: jnp.where(finite, u, jnp.asarray(-0.0, u.dtype)), inner_updates
-    )
-    inner_state = jax.tree_util.tree_map(
-        lambda new, old: jnp.where(finite, new, old), inner_state, state.inner_state
     )
     new_state = LossScalingState(
         inner_state=inner_state,
@@ -195,7 +196,11 @@ def get_loss_scale(opt_state: Any) -> LossScale:
     >>> float(jaxmp.get_loss_scale(tx.init(jnp.ones(3))).loss_scale)
     8.0
   """
-  return _find_state(opt_state, "get_loss_scale").loss_scale
+  loss_scale = _find_state(opt_state, "get_loss_scale").loss_scale
+  # An NNX optimizer wraps each leaf in a Variable: hand back plain arrays.
+  return jax.tree_util.tree_map(
+      jnp.asarray, loss_scale, is_leaf=lambda x: hasattr(x, "__jax_array__")
+  )
 
 
 def _metrics_of_scale(loss_scale: LossScale) -> dict[str, jax.Array]:

@@ -1,0 +1,143 @@
+"""Tests of NNX training with jaxmp: nnx.Optimizer over jaxmp.loss_scaling."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxmp
+import jaxmp.flax
+
+F16 = np.dtype(jnp.float16)
+F32 = np.dtype(jnp.float32)
+POLICY = jaxmp.get_policy("mixed_float16")
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, rngs):
+    self.dense1 = nnx.Linear(4, 16, rngs=rngs)
+    self.norm = nnx.LayerNorm(16, rngs=rngs)
+    self.dense2 = nnx.Linear(16, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.dense2(self.norm(nnx.relu(self.dense1(x))))
+
+
+def make(loss_scale=None):
+  model = MLP(nnx.Rngs(0))
+  jaxmp.flax.ModulePolicy({nnx.LayerNorm: "float32"}, default=POLICY).set_nnx_dtypes(model)
+  loss_scale = loss_scale or jaxmp.DynamicLossScale(2.0**8, period=100)
+  optimizer = nnx.Optimizer(
+      model, jaxmp.loss_scaling(optax.adam(1e-2), loss_scale), wrt=nnx.Param)
+  return model, optimizer
+
+
+@nnx.jit
+def train_step(model, optimizer, x, y):
+
+  def loss_fn(model):
+    logits = POLICY.cast_to_output(model(POLICY.cast_to_compute(x)))
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    return loss, logits
+
+  (loss, logits), grads = jaxmp.flax.nnx_scaled_value_and_grad(
+      loss_fn, jaxmp.get_loss_scale(optimizer.opt_state), has_aux=True)(model)
+  optimizer.update(model, grads)
+  return loss, logits, jaxmp.loss_scaling_metrics(optimizer.opt_state)
+
+
+def params_of(model):
+  return jax.tree_util.tree_map(jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def batch(seed=0, n=8):
+  x = jax.random.normal(jax.random.key(seed), (n, 4))
+  y = jax.random.randint(jax.random.key(seed + 1), (n,), 0, 3)
+  return x, y
+
+
+def test_nnx_optimizer_overflow_skips_then_updates_every_param():
+  model, optimizer = make()
+  x, y = batch()
+  loss, logits, metrics = train_step(model, optimizer, x, y)
+  assert np.isfinite(loss) and logits.dtype == F32
+  assert int(metrics["skipped_steps"]) == 0
+  before = params_of(model)
+  inner_before = jax.tree_util.tree_map(
+      jnp.copy, nnx.to_pure_dict(nnx.state(optimizer))["opt_state"]["inner_state"])
+  _, _, metrics = train_step(model, optimizer, x.at[0, 0].set(jnp.inf), y)
+  chex.assert_trees_all_equal(params_of(model), before)
+  chex.assert_trees_all_equal(
+      nnx.to_pure_dict(nnx.state(optimizer))["opt_state"]["inner_state"], inner_before)
+  assert float(metrics["loss_scale"]) == 2.0**7
+  assert int(metrics["skipped_steps"]) == 1 and not bool(metrics["last_finite"])
+  assert int(optimizer.step[...]) == 2  # nnx.Optimizer's step counts calls
+  train_step(model, optimizer, x, y)
+  after = params_of(model)
+  changed = jax.tree_util.tree_map(lambda a, b: bool(jnp.any(a != b)), after, before)
+  assert all(jax.tree_util.tree_leaves(changed))
+  assert {p.dtype for p in jax.tree_util.tree_leaves(after)} == {F32}
+
+
+def test_get_loss_scale_returns_plain_arrays():
+  _, optimizer = make(jaxmp.DynamicLossScale(2.0**8, period=7, hysteresis=2))
+  loss_scale = jaxmp.get_loss_scale(optimizer.opt_state)
+  assert isinstance(loss_scale, jaxmp.DynamicLossScale)
+  assert isinstance(loss_scale.loss_scale, jax.Array)
+  assert isinstance(loss_scale.counter, jax.Array)
+  assert (loss_scale.period, loss_scale.hysteresis) == (7, 2)
+  assert float(loss_scale.loss_scale) == 256.0
+  metrics = jaxmp.loss_scaling_metrics(optimizer.opt_state)
+  assert all(isinstance(v, jax.Array) for v in metrics.values())
+  jaxmp.check_loss_scale(optimizer.opt_state)  # nothing to report
+
+
+def test_compute_dtypes_and_no_retrace():
+  model, optimizer = make()
+  x, y = batch()
+  dtypes = {}
+
+  def probe(model):
+    dtypes["hidden"] = model.dense1(x.astype(F16)).dtype
+    dtypes["norm"] = model.norm(jnp.ones((1, 16), F16)).dtype
+    return jnp.zeros(())
+
+  jax.eval_shape(lambda: probe(model))
+  assert dtypes == {"hidden": F16, "norm": F32}
+
+  traces = []
+
+  @nnx.jit
+  def step(model, optimizer, x, y):
+    traces.append(1)
+    loss_fn = lambda m: optax.softmax_cross_entropy_with_integer_labels(
+        POLICY.cast_to_output(m(x)), y).mean()
+    loss, grads = jaxmp.flax.nnx_scaled_value_and_grad(
+        loss_fn, jaxmp.get_loss_scale(optimizer.opt_state))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  step(model, optimizer, x, y)
+  step(model, optimizer, x, y)
+  assert len(traces) == 1
+
+
+def test_scaled_value_and_grad_matches_manual_scaling():
+  model, _ = make()
+  x, _ = batch()
+  loss_fn = lambda m: jnp.mean(POLICY.cast_to_output(m(x)) ** 2)
+  loss, grads = jaxmp.flax.nnx_scaled_value_and_grad(
+      loss_fn, jaxmp.StaticLossScale(32.0))(model)
+  expected_loss, expected_grads = nnx.value_and_grad(
+      lambda m: loss_fn(m) * jnp.float32(32.0))(model)
+  chex.assert_trees_all_equal(loss * 32.0, expected_loss)
+  chex.assert_trees_all_equal(nnx.to_pure_dict(grads), nnx.to_pure_dict(expected_grads))
+  with pytest.raises(TypeError, match="get_loss_scale"):
+    jaxmp.flax.nnx_scaled_value_and_grad(loss_fn, 32.0)
+  with pytest.raises(TypeError, match="pair"):
+    jaxmp.flax.nnx_scaled_value_and_grad(
+        loss_fn, jaxmp.StaticLossScale(2.0), has_aux=True)(model)
