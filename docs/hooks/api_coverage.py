@@ -103,6 +103,12 @@ def on_pre_build(config, **kwargs):
       )
 
 
+def _title(page: pathlib.Path) -> str:
+  """The first level-one heading of a Markdown page, else its file name."""
+  match = re.search(r"^# (.+)$", page.read_text(encoding="utf-8"), re.MULTILINE)
+  return match.group(1).strip() if match else page.stem.replace("-", " ")
+
+
 def _summary(name: str) -> str:
   doc = inspect.getdoc(resolve(name)) or ""
   line = doc.strip().splitlines()[0] if doc.strip() else ""
@@ -121,7 +127,7 @@ def on_page_markdown(markdown, page, config, files, **kwargs):
     if target is None:
       continue
     page_uri = documented[target]
-    topic = pathlib.PurePosixPath(page_uri).stem.replace("-", " ")
+    topic = _title(pathlib.Path(config["docs_dir"]) / page_uri)
     link = pathlib.PurePosixPath(page_uri).name
     rows.append(
         f"| [`{name}`][{target}] | [{topic}]({link}) | {_summary(name)} |"
