@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxmp._fold import update_or_keep
 from jaxmp.loss_scale import LossScale
 from jaxmp.tree import all_finite
 
@@ -120,15 +121,15 @@ def loss_scaling(
     finite = all_finite(grads)
     if axis_name is not None:
       finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-    inner_updates, inner_state = inner.update(
-        grads, state.inner_state, params, **extra_args
+    # The old inner state is selected where each new leaf is produced, so that
+    # XLA writes it once, in place (see jaxmp/_fold.py).
+    inner_updates, inner_state = update_or_keep(
+        lambda g, s, p: inner.update(g, s, p, **extra_args),
+        finite, grads, state.inner_state, params,
     )
     # On a skipped step, -0.0 is the exact identity of `p + u` (even for p=-0.0).
     updates = jax.tree_util.tree_map(
         lambda u: jnp.where(finite, u, jnp.asarray(-0.0, u.dtype)), inner_updates
-    )
-    inner_state = jax.tree_util.tree_map(
-        lambda new, old: jnp.where(finite, new, old), inner_state, state.inner_state
     )
     new_state = LossScalingState(
         inner_state=inner_state,
