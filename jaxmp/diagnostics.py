@@ -20,7 +20,10 @@ _logger = logging.getLogger("jaxmp")
 
 
 def _is_inexact(x: Any) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+  """Whether ``x`` is a floating or complex array or number."""
+  if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+  return isinstance(x, (float, complex))
 
 
 def _float_leaves(tree: Any) -> list[jax.Array]:

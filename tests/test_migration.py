@@ -273,7 +273,7 @@ def _compare_with_deepspeed(fp16, seed, jaxmp_timing):
   if fp16["min_loss_scale"] > 2.0**fp16["initial_scale_power"]:
     fp16 = {**fp16, "min_loss_scale": 2.0**fp16["initial_scale_power"]}
   _, loss_scale = jaxmp.from_deepspeed_config({"fp16": {"enabled": True, **fp16}})
-  overflows = _sequences(seed, batch=12, steps=80)
+  overflows = _sequences(seed, batch=16, steps=80)
   scales, lefts, at_min = _trajectories(loss_scale, overflows)
   for b, sequence in enumerate(overflows):
     ref = DeepSpeedScaler(2.0**fp16["initial_scale_power"], fp16["loss_scale_window"],
@@ -288,7 +288,7 @@ def _compare_with_deepspeed(fp16, seed, jaxmp_timing):
       return
 
 
-@settings(derandomize=True, max_examples=20, deadline=None)
+@settings(derandomize=True, max_examples=15, deadline=None)
 @given(fp16=deepspeed_configs, seed=st.integers(0, 2**16))
 def test_deepspeed_hysteresis_minimum_and_raising_match_exactly(fp16, seed):
   """jaxmp == DeepSpeed's rule (with jaxmp's growth timing), step for step.
@@ -299,7 +299,7 @@ def test_deepspeed_hysteresis_minimum_and_raising_match_exactly(fp16, seed):
   _compare_with_deepspeed(fp16, seed, jaxmp_timing=True)
 
 
-@settings(derandomize=True, max_examples=15, deadline=None)
+@settings(derandomize=True, max_examples=10, deadline=None)
 @given(fp16=deepspeed_configs, seed=st.integers(0, 2**16))
 def test_deepspeed_exact_while_nothing_grows(fp16, seed):
   """Without growth (a window longer than the run) the rules are identical."""
@@ -380,10 +380,10 @@ def _compare_with_torch(config, overflows, reference):
       assert scales[b, t] == expected, (b, t, config, sequence[: t + 1].astype(int).tolist())
 
 
-@settings(derandomize=True, max_examples=20, deadline=None)
+@settings(derandomize=True, max_examples=15, deadline=None)
 @given(config=torch_configs, seed=st.integers(0, 2**16))
 def test_torch_trajectory_matches_reference(config, seed):
-  _compare_with_torch(config, _sequences(seed, batch=12, steps=80), torch_reference)
+  _compare_with_torch(config, _sequences(seed, batch=16, steps=80), torch_reference)
 
 
 def test_torch_reference_factor_rounding_matters():

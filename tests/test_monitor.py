@@ -1,0 +1,135 @@
+"""Tests of jaxmp.LossScaleMonitor on scripted sequences."""
+
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxmp
+
+
+def _metrics(scale, skipped, last_finite=True, at_min=0):
+  return {
+      "loss_scale": jnp.float32(scale),
+      "skipped_steps": jnp.int32(skipped),
+      "last_finite": jnp.bool_(last_finite),
+      "overflows_at_min": jnp.int32(at_min),
+      "steps_since_adjustment": jnp.int32(0),
+  }
+
+
+def _scripted(monitor, overflows, initial=2.0**10):
+  """Feeds numpy-simulated metrics after every step; returns the step count."""
+  scale, skipped = initial, 0
+  for step, overflow in enumerate(overflows, start=1):
+    if overflow:
+      scale, skipped = scale / 2, skipped + 1
+    monitor.update(step, _metrics(scale, skipped, not overflow))
+  return len(overflows)
+
+
+def test_records_every_n_steps_and_history():
+  monitor = jaxmp.LossScaleMonitor(every=5, window=10, warn_rate=None)
+  overflows = [False] * 20
+  overflows[2] = overflows[9] = overflows[13] = True  # steps 3, 10, 14
+  _scripted(monitor, overflows)
+  history = monitor.history
+  assert history["step"] == [5, 10, 15, 20]
+  assert history["skipped_steps"] == [1, 2, 3, 3]
+  assert history["loss_scale"] == [512.0, 256.0, 128.0, 128.0]
+  assert history["last_finite"] == [True, False, True, True]
+  assert history["overflows_at_min"] == [0, 0, 0, 0]
+  # Steps 11..20 hold one skip (step 14).
+  assert monitor.overflow_rate() == 0.1
+  assert monitor.overflow_rate(window=20) == 3 / 20
+  assert monitor.overflow_rate(window=5) == 0.0
+  # The last skip was seen at the record of step 15: a lower bound of 5.
+  assert monitor.steps_since_last_skip() == 5
+  assert "loss scale 128" in monitor.summary()
+
+
+def test_partial_window_and_exact_since_last_skip():
+  monitor = jaxmp.LossScaleMonitor(every=1, window=100, warn_rate=None)
+  assert monitor.overflow_rate() is None
+  assert monitor.steps_since_last_skip() is None
+  assert monitor.summary() == "no loss-scaling metrics recorded yet"
+  _scripted(monitor, [True, False, False, True, False, False, False])
+  # Fewer than `window` steps: measured from step 0.
+  assert monitor.overflow_rate() == 2 / 7
+  assert monitor.steps_since_last_skip() == 3  # the skip at step 4
+
+
+def test_update_only_reads_on_multiples_of_every():
+  monitor = jaxmp.LossScaleMonitor(every=3, warn_rate=None)
+  # Not a multiple of 3: `x` is not even looked at (object() holds no state).
+  assert monitor.update(2, object()) is False
+  assert monitor.update(jnp.int32(3), _metrics(8.0, 0)) is True
+  assert monitor.history["step"] == [3]
+  with pytest.raises(ValueError, match="no jaxmp.loss_scaling state"):
+    monitor.update(6, object())
+
+
+def test_warns_once_when_the_rate_stays_high():
+  monitor = jaxmp.LossScaleMonitor(every=10, window=50, warn_rate=0.2)
+  rng = np.random.default_rng(0)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    _scripted(monitor, rng.random(40) < 0.5)  # window not full yet: no warning
+  assert not caught
+  monitor = jaxmp.LossScaleMonitor(every=10, window=50, warn_rate=0.2)
+  with pytest.warns(RuntimeWarning, match="mixed_bfloat16") as record:
+    _scripted(monitor, rng.random(200) < 0.5)
+  assert len([w for w in record if issubclass(w.category, RuntimeWarning)]) == 1
+  assert monitor.warned
+
+
+def test_no_warning_for_a_healthy_run():
+  monitor = jaxmp.LossScaleMonitor(every=10, window=50, warn_rate=0.2)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    _scripted(monitor, [i % 20 == 0 for i in range(300)])
+  assert monitor.overflow_rate() == 2 / 50  # skips at steps 261 and 281
+
+
+def test_with_the_optimizer_state():
+  tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(2.0**4, period=2))
+  params = jnp.ones(2)
+  state = tx.init(params)
+  monitor = jaxmp.LossScaleMonitor(every=2, window=4, warn_rate=None)
+  for step, g in enumerate([jnp.inf, 1.0, 1.0, 1.0, jnp.nan, 1.0], start=1):
+    _, state = tx.update(jnp.full(2, g), state, params)
+    monitor.update(step, state)
+  assert monitor.history["step"] == [2, 4, 6]
+  assert monitor.history["loss_scale"] == [8.0, 16.0, 8.0]
+  assert monitor.history["skipped_steps"] == [1, 1, 2]
+  assert monitor.overflow_rate() == 0.25
+
+
+def test_plot_writes_a_png(tmp_path):
+  monitor = jaxmp.LossScaleMonitor(every=2, window=10, warn_rate=None)
+  _scripted(monitor, [i % 7 == 3 for i in range(60)])
+  path = monitor.plot(tmp_path / "scale.png")
+  with open(path, "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  with pytest.raises(ValueError, match="nothing recorded"):
+    jaxmp.LossScaleMonitor().plot(tmp_path / "empty.png")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(every=0), "every"), (dict(window=0), "window"),
+    (dict(warn_rate=0.0), "warn_rate"), (dict(warn_rate=2.0), "warn_rate"),
+])
+def test_bad_arguments(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    jaxmp.LossScaleMonitor(**kwargs)
+
+
+def test_steps_must_increase_and_metrics_must_be_complete():
+  monitor = jaxmp.LossScaleMonitor(every=1, warn_rate=None)
+  monitor.record(5, _metrics(1.0, 0))
+  with pytest.raises(ValueError, match="not after"):
+    monitor.record(5, _metrics(1.0, 0))
+  with pytest.raises(ValueError, match="lack"):
+    monitor.record(6, {"loss_scale": jnp.float32(1.0)})
