@@ -156,6 +156,21 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
   Raises:
     ValueError: if ``check_config`` and the loss scale's configuration or the
       policy of ``target`` differ from the saved ones.
+
+  Example:
+    >>> import os, tempfile, jax, jax.numpy as jnp, optax, jaxmp, jaxmp.flax
+    >>> make = lambda period: jaxmp.loss_scaling(
+    ...     optax.sgd(0.1), jaxmp.DynamicLossScale(period=period)).init(jnp.ones(2))
+    >>> path = os.path.join(tempfile.mkdtemp(), "step_0")
+    >>> jaxmp.flax.save_checkpoint(path, make(7))
+    >>> restored = jaxmp.flax.restore_checkpoint(path, jax.eval_shape(lambda: make(7)))
+    >>> float(jaxmp.get_loss_scale(restored).loss_scale)
+    32768.0
+    >>> try:
+    ...   jaxmp.flax.restore_checkpoint(path, make(2000))
+    ... except ValueError as e:
+    ...   print(str(e)[:49])
+    restore_checkpoint: the checkpoint was saved with
   """
   ocp, checkpointer = _checkpointer()
   nnx_target = _is_nnx_node(target)
