@@ -198,8 +198,8 @@ def initialize(args: argparse.Namespace) -> None:
   import jax  # pylint: disable=g-import-not-at-top
 
   if args.coordinator_address or args.single_process:
-    if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
-      jax.config.update("jax_num_cpu_devices", args.devices_per_process)
+    # Only the CPU backend reads this; GPUs and TPUs keep their devices.
+    jax.config.update("jax_num_cpu_devices", args.devices_per_process)
   if args.single_process:
     return
   if args.coordinator_address:
