@@ -23,6 +23,7 @@ from jaxmp.loss_scale import (
 )
 from jaxmp.migration import from_deepspeed_config, from_torch_grad_scaler
 from jaxmp.monitor import LossScaleMonitor
+from jaxmp.path_policy import PathPolicy
 from jaxmp.policy import (
     Policy,
     cast_to_full,
@@ -49,6 +50,7 @@ __all__ = [
     "get_policy",
     "auto_policy",
     "half_dtype",
+    "PathPolicy",
     "cast_to_full",
     "cast_to_half",
     "hardware_report",
@@ -82,3 +84,12 @@ __all__ = [
     "report_nonfinite",
     "LossScaleMonitor",
 ]
+
+
+def __getattr__(name):
+  # `import jaxmp; jaxmp.flax.TrainState` works without importing Flax eagerly.
+  if name == "flax":
+    import importlib  # pylint: disable=g-import-not-at-top
+
+    return importlib.import_module("jaxmp.flax")
+  raise AttributeError(f"module 'jaxmp' has no attribute {name!r}")
