@@ -153,3 +153,25 @@ def test_two_processes_match_one_process_reference(tmp_path):
   )
   losses = [s["loss"] for s in steps0 if not s["skipped"]]
   assert losses[-1] < losses[0]  # it trains
+
+
+def test_launcher_stops_its_processes_on_timeout(tmp_path):
+  # Two seconds are not enough to start JAX and train: the launcher must stop
+  # both workers, report the timeout, and leave no process behind.
+  command = [
+      sys.executable, str(EXAMPLE), "--local-processes", "2",
+      "--timeout", "2", "--metrics-dir", str(tmp_path),
+  ]
+  launcher = subprocess.Popen(
+      command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+      start_new_session=True,
+  )
+  try:
+    output = _wait(launcher)
+  finally:
+    _stop(launcher)
+  assert launcher.returncode == 124, output
+  assert "timed out after 2 s" in output
+  with pytest.raises(ProcessLookupError):
+    os.killpg(launcher.pid, 0)  # nothing is left in the launcher's group
+  assert not list(tmp_path.iterdir())
