@@ -35,6 +35,12 @@ def _can_select(var: Any, old: Any) -> bool:
   )
 
 
+def _is_traced(tree: Any) -> bool:
+  return any(
+      isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree)
+  )
+
+
 def _varies_over_manual_axes(tree: Any) -> bool:
   """Whether a leaf varies over a ``shard_map`` axis (the name moved in JAX)."""
   for x in jax.tree_util.tree_leaves(tree):
@@ -66,9 +72,11 @@ def update_or_keep(
     and unspecified otherwise (the caller replaces them); ``new_state`` is the
     inner new state when ``finite`` and bit-identical to ``state`` otherwise.
   """
-  if _varies_over_manual_axes((finite, grads, state, params)):
-    # Inside shard_map, a re-traced jaxpr loses the varying-axes types of its
-    # inputs; select whole trees afterwards there.
+  inputs = (finite, grads, state, params)
+  if not _is_traced(inputs) or _varies_over_manual_axes(inputs):
+    # Outside jit there is no fusion to help (and concrete values may take
+    # other paths, e.g. integer powers); inside shard_map a re-traced jaxpr
+    # loses the varying-axes types of its inputs. Select whole trees there.
     updates, new_state = update(grads, state, params)
     return updates, jax.tree_util.tree_map(
         lambda new, old: jnp.where(finite, new, old), new_state, state
