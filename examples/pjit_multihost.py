@@ -41,6 +41,15 @@ import sys
 import time
 from typing import Any, Sequence
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxmp
+
 VOCAB = 64
 SEQ_LEN = 16
 AXES = ("data", "fsdp")
@@ -195,8 +204,6 @@ def _without_launch_flags(argv: Sequence[str]) -> list[str]:
 
 def initialize(args: argparse.Namespace) -> None:
   """Sets up the CPU devices and ``jax.distributed`` for this process."""
-  import jax  # pylint: disable=g-import-not-at-top
-
   if args.coordinator_address or args.single_process:
     # Only the CPU backend reads this; GPUs and TPUs keep their devices.
     jax.config.update("jax_num_cpu_devices", args.devices_per_process)
@@ -225,8 +232,6 @@ def initialize(args: argparse.Namespace) -> None:
 
 
 def make_model(policy):
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-
   compute, param = policy.compute_dtype, policy.param_dtype
 
   class TinyTransformer(nn.Module):
@@ -237,9 +242,10 @@ def make_model(policy):
 
     @nn.compact
     def __call__(self, tokens, input_scale):
-      x = nn.Embed(VOCAB, self.d_model, dtype=compute, param_dtype=param)(tokens)
+      d_model = self.d_model
+      x = nn.Embed(VOCAB, d_model, dtype=compute, param_dtype=param)(tokens)
       position = self.param(
-          "position", nn.initializers.normal(0.02), (SEQ_LEN, self.d_model), param
+          "position", nn.initializers.normal(0.02), (SEQ_LEN, d_model), param
       )
       x = x + position.astype(compute)
       # 1.0 everywhere, except for the poisoned example.
@@ -249,8 +255,8 @@ def make_model(policy):
           num_heads=self.num_heads, dtype=compute, param_dtype=param
       )(h, h, mask=nn.make_causal_mask(tokens))
       h = nn.LayerNorm(dtype=compute, param_dtype=param)(x)
-      h = nn.gelu(nn.Dense(4 * self.d_model, dtype=compute, param_dtype=param)(h))
-      x = x + nn.Dense(self.d_model, dtype=compute, param_dtype=param)(h)
+      h = nn.gelu(nn.Dense(4 * d_model, dtype=compute, param_dtype=param)(h))
+      x = x + nn.Dense(d_model, dtype=compute, param_dtype=param)(h)
       x = nn.LayerNorm(dtype=compute, param_dtype=param)(x)
       return nn.Dense(VOCAB, dtype=compute, param_dtype=param)(x)
 
@@ -263,8 +269,6 @@ def global_batch(step: int, batch_size: int):
   Sequences count up modulo VOCAB with a random start and stride; the model
   learns to continue them.
   """
-  import numpy as np  # pylint: disable=g-import-not-at-top
-
   rng = np.random.default_rng(step)
   start = rng.integers(0, VOCAB, (batch_size, 1))
   stride = rng.integers(1, 4, (batch_size, 1))
@@ -273,9 +277,7 @@ def global_batch(step: int, batch_size: int):
 
 
 def fsdp_spec(shape: Sequence[int], fsdp: int):
-  """Shards the largest dimension divisible by ``fsdp``; small vectors replicated."""
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-
+  """Shards the largest dimension divisible by ``fsdp``; vectors replicated."""
   if len(shape) < 2:
     return P()
   for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
@@ -287,13 +289,11 @@ def fsdp_spec(shape: Sequence[int], fsdp: int):
 
 
 def make_mesh(fsdp: int, devices=None):
-  """The ("data", "fsdp") mesh over ``devices`` (default: all, all processes)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from jax.sharding import AxisType  # pylint: disable=g-import-not-at-top
-
+  """A ("data", "fsdp") mesh; ``devices`` defaults to all processes' devices."""
   devices = jax.devices() if devices is None else list(devices)
   if len(devices) % fsdp:
-    raise SystemExit(f"--fsdp {fsdp} does not divide the {len(devices)} devices")
+    raise SystemExit(
+        f"--fsdp {fsdp} does not divide the {len(devices)} devices")
   # Auto axes: GSPMD-style propagation (make_mesh defaults to Explicit here).
   return jax.make_mesh(
       (len(devices) // fsdp, fsdp), AXES, axis_types=(AxisType.Auto,) * 2,
@@ -303,8 +303,6 @@ def make_mesh(fsdp: int, devices=None):
 
 def overflow_row(mesh, batch_size: int, process: int) -> int:
   """The first global batch row held by a device of ``process``."""
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-
   sharding = NamedSharding(mesh, P("data"))
   rows = [
       index[0].start or 0
@@ -318,8 +316,6 @@ def overflow_row(mesh, batch_size: int, process: int) -> int:
 
 def _local_mean(x) -> float:
   """Mean over the rows this process holds (each row counted once)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-
   rows = {}
   for shard in x.addressable_shards:
     start = shard.index[0].start or 0
@@ -343,14 +339,6 @@ def train(
     log=print,
 ) -> list[dict[str, Any]]:
   """Trains over ``mesh``; returns this process's metrics, one dict per step."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-
-  import jaxmp  # pylint: disable=g-import-not-at-top
-
   policy = jaxmp.get_policy(policy)
   model = make_model(policy)
   tx = jaxmp.loss_scaling(
@@ -400,9 +388,9 @@ def train(
 
   def to_global(array):
     # Every process builds the same host batch and hands over its own rows.
+    sharding = NamedSharding(mesh, P("data", *[None] * (array.ndim - 1)))
     return jax.make_array_from_callback(
-        array.shape, NamedSharding(mesh, P(*(["data"] + [None] * (array.ndim - 1)))),
-        lambda index: array[index],
+        array.shape, sharding, lambda index: array[index]
     )
 
   me = jax.process_index()
@@ -418,7 +406,11 @@ def train(
     )
     # Global metrics are replicated: every process can read them.
     metrics = jax.device_get(metrics)
-    decisions = [bool(np.asarray(s.data)) for s in opt_state.last_finite.addressable_shards]
+    # The skip decision as each of this process's devices holds it.
+    decisions = [
+        bool(np.asarray(shard.data))
+        for shard in opt_state.last_finite.addressable_shards
+    ]
     record = {
         "step": step,
         "process": me,
@@ -448,13 +440,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   if args.local_processes:
     return launch_local(args, argv)
   initialize(args)
-  import jax  # pylint: disable=g-import-not-at-top
 
   mesh = make_mesh(args.fsdp)
   me, count = jax.process_index(), jax.process_count()
   target = count - 1 if args.overflow_process < 0 else args.overflow_process
   if not 0 <= target < count:
-    raise SystemExit(f"--overflow-process {target}: there are {count} processes")
+    raise SystemExit(
+        f"--overflow-process {target}: there are {count} processes")
   row = overflow_row(mesh, args.global_batch, target)
   local = [d.id for d in jax.local_devices()]
   print(f"[process {me}] {count} processes, {jax.device_count()} devices "
@@ -480,7 +472,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "local_devices": local, "overflow_row": row,
         "overflow_process": target, "steps": records,
     }
-    (args.metrics_dir / f"process_{me}.json").write_text(json.dumps(summary, indent=1))
+    path = args.metrics_dir / f"process_{me}.json"
+    path.write_text(json.dumps(summary, indent=1))
   if args.coordinator_address or not args.single_process:
     jax.distributed.shutdown()
   return 0
