@@ -176,6 +176,41 @@ def test_linen_float32_module_sees_exact_float32_params():
   assert not np.array_equal(captured["out"], rounded)
 
 
+class ScanCell(nn.Module):
+
+  @nn.compact
+  def __call__(self, carry, x):
+    del x
+    carry = nn.LayerNorm()(nn.Dense(4)(carry))
+    return carry, carry
+
+
+class LiftedNet(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.remat(nn.Dense)(4)(x)
+    stack = nn.scan(ScanCell, variable_axes={"params": 0},
+                    split_rngs={"params": True}, length=2)
+    x, _ = stack()(x, jnp.zeros((2,)))
+    return x
+
+
+def test_linen_lifted_transforms():
+  # In a scan the carry keeps its dtype, so the float32 LayerNorm hands its
+  # output back in the surrounding compute dtype (output dtype bfloat16).
+  policy = jaxmp.flax.ModulePolicy({nn.LayerNorm: "p=f32,c=f32,o=bf16"},
+                                   default="mixed_bfloat16")
+  model = LiftedNet()
+  x = jnp.ones((2, 4))
+  params = model.init(jax.random.key(0), x)["params"]
+  apply = policy.wrap_apply(model.apply)
+  assert apply({"params": params}, x).dtype == F32
+  grads = jax.grad(lambda p: apply({"params": p}, x).sum())(params)
+  chex.assert_trees_all_equal_shapes_and_dtypes(grads, params)
+  assert all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(grads))
+
+
 def test_jit_and_hashable():
   a = jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_bfloat16")
   b = jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_bfloat16")

@@ -200,6 +200,12 @@ class TrainState(train_state.TrainState):
       The function described above.
     """
     policy = self.policy
+    if policy is None:
+      raise ValueError(
+          "This TrainState has no policy: build it with "
+          "jaxmp.flax.TrainState.create(..., policy='mixed_float16'), not with "
+          "the constructor."
+      )
     io_policy = default_policy(policy)
 
     def run(params, *args, **kwargs):
