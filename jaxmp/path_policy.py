@@ -57,7 +57,8 @@ def path_to_string(path: Iterable[Any]) -> str:
   return "/".join(parts)
 
 
-def _is_floating_array(x: Any) -> bool:
+def is_floating_array(x: Any) -> bool:
+  """True for a JAX or NumPy array (or scalar) of a floating dtype."""
   return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
       x.dtype, jnp.floating
   )
@@ -208,7 +209,7 @@ class PathPolicy:
     """
 
     def one(path, x):
-      if not _is_floating_array(x):
+      if not is_floating_array(x):
         return None
       return self.policy_for(path_to_string(path))
 
@@ -225,14 +226,14 @@ class PathPolicy:
     """
     described = {}
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-      if _is_floating_array(x):
+      if is_floating_array(x):
         name = path_to_string(path)
         described[name] = str(self.policy_for(name))
     return described
 
   def _cast(self, tree: T, field: str) -> T:
     def one(path, x):
-      if not _is_floating_array(x):
+      if not is_floating_array(x):
         return x
       policy = self.policy_for(path_to_string(path))
       return x.astype(getattr(policy, field))

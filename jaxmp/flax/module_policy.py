@@ -18,11 +18,10 @@ import threading
 from typing import Any, Callable, Iterable, Mapping
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import struct
 from flax.core import meta
 
+from jaxmp.path_policy import is_floating_array
 from jaxmp.policy import Policy, get_policy
 
 # The policies of the Linen module methods now running, innermost last.
@@ -33,12 +32,6 @@ def _active_stack() -> list[Policy | None]:
   if not hasattr(_ACTIVE, "stack"):
     _ACTIVE.stack = []
   return _ACTIVE.stack
-
-
-def _is_floating_array(x: Any) -> bool:
-  return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
-      x.dtype, jnp.floating
-  )
 
 
 class _CastOnRead(struct.PyTreeNode, meta.AxisMetadata):
@@ -73,7 +66,7 @@ class _CastOnRead(struct.PyTreeNode, meta.AxisMetadata):
 
 def _box_params(params: Any) -> Any:
   def box(x):
-    if isinstance(x, meta.AxisMetadata) or _is_floating_array(x):
+    if isinstance(x, meta.AxisMetadata) or is_floating_array(x):
       return _CastOnRead(x)
     return x
 

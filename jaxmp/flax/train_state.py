@@ -9,6 +9,7 @@ import optax
 from flax import struct
 from flax.training import train_state
 
+from jaxmp.flax.module_policy import ModulePolicy
 from jaxmp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from jaxmp.path_policy import PathPolicy
 from jaxmp.policy import Policy, get_policy
@@ -21,14 +22,12 @@ from jaxmp.scaling import (
 )
 
 
-def as_policy(spec: Any) -> Any:
+def _as_policy(spec: Any) -> Any:
   """Returns ``spec`` as a :class:`jaxmp.Policy`, or a path/module policy as is.
 
   Accepts anything :func:`jaxmp.get_policy` takes, a :class:`jaxmp.PathPolicy`
   and a :class:`jaxmp.flax.ModulePolicy`.
   """
-  from jaxmp.flax.module_policy import ModulePolicy  # pylint: disable=g-import-not-at-top
-
   if isinstance(spec, (PathPolicy, ModulePolicy)):
     if spec.default is None:
       raise ValueError(
@@ -40,15 +39,13 @@ def as_policy(spec: Any) -> Any:
   return get_policy(spec)
 
 
-def default_policy(policy: Any) -> Policy:
+def _default_policy(policy: Any) -> Policy:
   """The policy of a train state's inputs and outputs."""
   return policy if isinstance(policy, Policy) else policy.default
 
 
-def cast_params_to_compute(policy: Any, params: Any) -> Any:
+def _cast_params_to_compute(policy: Any, params: Any) -> Any:
   """Casts params for the forward pass; module policies cast inside modules."""
-  from jaxmp.flax.module_policy import ModulePolicy  # pylint: disable=g-import-not-at-top
-
   if isinstance(policy, ModulePolicy):
     return params
   return policy.cast_to_compute(params)
@@ -132,7 +129,7 @@ class TrainState(train_state.TrainState):
       ValueError: if ``tx`` is already wrapped with :func:`jaxmp.loss_scaling`.
       TypeError: if ``loss_scale`` is not a loss scale.
     """
-    policy = as_policy(policy)
+    policy = _as_policy(policy)
     if loss_scale is None:
       loss_scale = (
           DynamicLossScale() if policy.needs_loss_scaling else NoOpLossScale()
@@ -142,8 +139,6 @@ class TrainState(train_state.TrainState):
           "TrainState.create: loss_scale must be a jaxmp loss scale such as "
           f"jaxmp.DynamicLossScale(); got {loss_scale!r}."
       )
-    from jaxmp.flax.module_policy import ModulePolicy  # pylint: disable=g-import-not-at-top
-
     if isinstance(policy, ModulePolicy):
       apply_fn = policy.wrap_apply(apply_fn)
     else:
@@ -206,10 +201,10 @@ class TrainState(train_state.TrainState):
           "jaxmp.flax.TrainState.create(..., policy='mixed_float16'), not with "
           "the constructor."
       )
-    io_policy = default_policy(policy)
+    io_policy = _default_policy(policy)
 
     def run(params, *args, **kwargs):
-      params = cast_params_to_compute(policy, params)
+      params = _cast_params_to_compute(policy, params)
       args, kwargs = io_policy.cast_to_compute((args, kwargs))
       return io_policy.cast_to_output(loss_fn(params, *args, **kwargs))
 
