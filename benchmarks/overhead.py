@@ -1,0 +1,355 @@
+"""What does guarding a mixed-precision train step cost? jaxmp against its peers.
+
+The same jitted train step of a ~4M-parameter byte-level transformer (the model
+of ``examples/train_lm.py``), with ``optax.adamw``, float32 master parameters,
+bfloat16 compute and a donated state, in five variants:
+
+1. ``unguarded``: no loss scaling, no finiteness check (the baseline);
+2. ``jaxmp``: ``jaxmp.loss_scaling`` with ``jaxmp.scaled_value_and_grad``;
+3. ``jmp manual``: jmp's documented pattern: scale the loss, unscale the
+   gradients, ``jmp.all_finite``, ``jmp.select_tree`` over the parameters and
+   the optimizer state, ``adjust``;
+4. ``optax.apply_if_finite``: optax's wrapper, with a jmp loss scale adjusted
+   from its ``last_finite`` flag;
+5. ``flax DynamicScale``: ``DynamicScale.value_and_grad`` with a ``jnp.where``
+   select of the parameters and the optimizer state, the pattern of Flax's
+   ImageNet example.
+
+For each it reports the compiler's figures, which are deterministic
+(``memory_analysis()`` temp bytes, ``cost_analysis()`` bytes accessed), the
+compile time (median of several fresh compilations), and the median step time
+as a ratio to the unguarded step, measured in interleaved rounds in one
+process so that a noisy machine affects every variant alike.
+
+Usage::
+
+  python benchmarks/overhead.py                # writes benchmarks/results/overhead.{md,json}
+  python benchmarks/overhead.py --d-model 32 --layers 1 --seq-len 16 \\
+      --batch-size 2 --rounds 2 --steps-per-round 2 --out /tmp/bench   # tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+from flax.training.dynamic_scale import DynamicScale
+
+import jaxmp
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples"))
+import train_lm  # pylint: disable=wrong-import-position  # noqa: E402
+
+INITIAL_SCALE = 2.0**15
+PERIOD = 2000
+
+
+class Variant(NamedTuple):
+  """A way to write the train step: ``init(params) -> state`` and ``step``."""
+
+  name: str
+  init: Callable[[Any], Any]
+  step: Callable[[Any, Any], tuple[Any, Any]]
+
+
+def make_variants(loss_fn, learning_rate: float = 1e-3) -> list[Variant]:
+  """The five train steps; each maps ``(state, batch)`` to ``(state, loss)``."""
+
+  def adamw():
+    return optax.adamw(learning_rate)
+
+  # 1. No guard.
+  plain = adamw()
+
+  def unguarded_init(params):
+    return params, plain.init(params)
+
+  def unguarded_step(state, batch):
+    params, opt_state = state
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = plain.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  # 2. jaxmp.
+  guarded = jaxmp.loss_scaling(adamw(), jaxmp.DynamicLossScale(INITIAL_SCALE, period=PERIOD))
+
+  def jaxmp_init(params):
+    return params, guarded.init(params)
+
+  def jaxmp_step(state, batch):
+    params, opt_state = state
+    loss_scale = jaxmp.get_loss_scale(opt_state)
+    loss, grads = jaxmp.scaled_value_and_grad(loss_fn, loss_scale)(params, batch)
+    updates, opt_state = guarded.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  # 3. jmp's manual pattern. The scale's arrays travel in the state: a
+  # jmp.DynamicLossScale itself cannot be an argument of jit(...).lower.
+  def jmp_scale(scale, counter):
+    return jmp.DynamicLossScale(scale, counter, period=PERIOD)
+
+  def jmp_init(params):
+    return params, plain.init(params), jnp.float32(INITIAL_SCALE), jnp.int32(0)
+
+  def jmp_step(state, batch):
+    params, opt_state, scale, counter = state
+    loss_scale = jmp_scale(scale, counter)
+    scaled_loss, grads = jax.value_and_grad(
+        lambda p: loss_scale.scale(loss_fn(p, batch)))(params)
+    grads = loss_scale.unscale(grads)
+    finite = jmp.all_finite(grads)
+    updates, new_opt_state = plain.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    params = jmp.select_tree(finite, new_params, params)
+    opt_state = jmp.select_tree(finite, new_opt_state, opt_state)
+    loss_scale = loss_scale.adjust(finite)
+    state = params, opt_state, loss_scale.loss_scale, loss_scale.counter
+    return state, loss_scale.unscale(scaled_loss)
+
+  # 4. optax.apply_if_finite with a jmp loss scale.
+  if_finite = optax.apply_if_finite(adamw(), max_consecutive_errors=2**30)
+
+  def if_finite_init(params):
+    return params, if_finite.init(params), jnp.float32(INITIAL_SCALE), jnp.int32(0)
+
+  def if_finite_step(state, batch):
+    params, opt_state, scale, counter = state
+    loss_scale = jmp_scale(scale, counter)
+    scaled_loss, grads = jax.value_and_grad(
+        lambda p: loss_scale.scale(loss_fn(p, batch)))(params)
+    grads = loss_scale.unscale(grads)
+    updates, opt_state = if_finite.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    loss_scale = loss_scale.adjust(opt_state.last_finite)
+    state = params, opt_state, loss_scale.loss_scale, loss_scale.counter
+    return state, loss_scale.unscale(scaled_loss)
+
+  # 5. Flax DynamicScale and a jnp.where select, as in Flax's ImageNet example.
+  def flax_init(params):
+    dynamic_scale = DynamicScale(
+        growth_interval=PERIOD, fin_steps=jnp.int32(0),
+        scale=jnp.float32(INITIAL_SCALE))
+    return params, plain.init(params), dynamic_scale
+
+  def flax_step(state, batch):
+    params, opt_state, dynamic_scale = state
+    dynamic_scale, finite, loss, grads = dynamic_scale.value_and_grad(loss_fn)(
+        params, batch)
+    updates, new_opt_state = plain.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    select = functools.partial(jnp.where, finite)
+    params = jax.tree_util.tree_map(select, new_params, params)
+    opt_state = jax.tree_util.tree_map(select, new_opt_state, opt_state)
+    return (params, opt_state, dynamic_scale), loss
+
+  return [
+      Variant("unguarded", unguarded_init, unguarded_step),
+      Variant("jaxmp", jaxmp_init, jaxmp_step),
+      Variant("jmp manual", jmp_init, jmp_step),
+      Variant("optax.apply_if_finite", if_finite_init, if_finite_step),
+      Variant("flax DynamicScale", flax_init, flax_step),
+  ]
+
+
+def bf16_loss_fn(args: argparse.Namespace):
+  """The model's loss with float32 params and bfloat16 compute; its params."""
+  policy = jaxmp.get_policy("mixed_bfloat16")
+  model = train_lm.make_model(args.d_model, args.layers, args.heads, args.seq_len)
+  sample = jnp.zeros((args.batch_size, args.seq_len), jnp.int32)
+  params = model.init(jax.random.PRNGKey(0), sample)["params"]
+  return train_lm.make_loss_fn(model, policy), params
+
+
+def compile_step(step, state, batch):
+  """A fresh ``jit`` (no cache hit), lowered and compiled; returns it and seconds.
+
+  The seconds count tracing, lowering and XLA compilation: what a user waits
+  for on the first call.
+  """
+  jitted = jax.jit(lambda s, b: step(s, b), donate_argnums=(0,))
+  started = time.perf_counter()
+  compiled = jitted.lower(state, batch).compile()
+  return compiled, time.perf_counter() - started
+
+
+def compiler_figures(compiled) -> dict[str, float]:
+  memory = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0]
+  return {
+      "temp_bytes": int(memory.temp_size_in_bytes),
+      "argument_bytes": int(memory.argument_size_in_bytes),
+      "bytes_accessed": float(cost["bytes accessed"]),
+      "flops": float(cost.get("flops", float("nan"))),
+  }
+
+
+def copy_tree(tree):
+  return jax.tree_util.tree_map(lambda x: x.copy(), tree)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+  """Compiles and times every variant; returns the figures."""
+  loss_fn, params = bf16_loss_fn(args)
+  n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+  variants = make_variants(loss_fn)
+  rng = np.random.default_rng(0)
+  batch = jnp.asarray(rng.integers(0, 256, (args.batch_size, args.seq_len + 1)),
+                      jnp.int32)
+
+  figures, compiled_steps, states = {}, {}, {}
+  for variant in variants:
+    state = variant.init(copy_tree(params))
+    times = []
+    for _ in range(args.compile_repeats):
+      compiled, seconds = compile_step(variant.step, state, batch)
+      times.append(seconds)
+    figures[variant.name] = compiler_figures(compiled)
+    figures[variant.name]["compile_seconds"] = statistics.median(times)
+    figures[variant.name]["compile_seconds_all"] = times
+    compiled_steps[variant.name] = compiled
+    states[variant.name] = state
+    print(f"compiled {variant.name}: {statistics.median(times):.2f} s",
+          file=sys.stderr)
+
+  # Warm up, then time interleaved rounds; the order rotates every round.
+  for name, compiled in compiled_steps.items():
+    for _ in range(args.warmup_steps):
+      states[name], loss = compiled(states[name], batch)
+    jax.block_until_ready(loss)
+  names = list(compiled_steps)
+  step_seconds = {name: [] for name in names}
+  for round_index in range(args.rounds):
+    shift = round_index % len(names)
+    for name in names[shift:] + names[:shift]:
+      compiled, state = compiled_steps[name], states[name]
+      jax.block_until_ready(state)
+      started = time.perf_counter()
+      for _ in range(args.steps_per_round):
+        state, loss = compiled(state, batch)
+      jax.block_until_ready((state, loss))
+      step_seconds[name].append((time.perf_counter() - started) / args.steps_per_round)
+      states[name] = state
+    print(f"round {round_index + 1}/{args.rounds}", file=sys.stderr)
+
+  base = figures["unguarded"]
+  base_times = step_seconds["unguarded"]
+  for name in names:
+    f = figures[name]
+    f["step_seconds_median"] = statistics.median(step_seconds[name])
+    f["step_seconds_all"] = step_seconds[name]
+    ratios = [t / b for t, b in zip(step_seconds[name], base_times)]
+    f["time_ratio"] = statistics.median(ratios)
+    f["temp_ratio"] = f["temp_bytes"] / base["temp_bytes"]
+    f["bytes_accessed_ratio"] = f["bytes_accessed"] / base["bytes_accessed"]
+    f["compile_ratio"] = f["compile_seconds"] / base["compile_seconds"]
+  return {
+      "config": {k: v for k, v in vars(args).items() if k != "out"},
+      "parameters": int(n_params),
+      "machine": machine_description(),
+      "variants": figures,
+  }
+
+
+def machine_description() -> dict[str, Any]:
+  device = jax.devices()[0]
+  return {
+      "platform": device.platform,
+      "device_kind": device.device_kind,
+      "cpu_count": os.cpu_count(),
+      "python": platform.python_version(),
+      "jax": jax.__version__,
+      "optax": optax.__version__,
+      "flax": __import__("flax").__version__,
+      "jmp": getattr(jmp, "__version__", "0.0.4"),
+  }
+
+
+def percent(ratio: float) -> str:
+  return f"{(ratio - 1) * 100:+.1f}%"
+
+
+def markdown(results: dict[str, Any]) -> str:
+  """The results as a Markdown table, with the set-up it ran on."""
+  config, machine = results["config"], results["machine"]
+  lines = [
+      "| variant | step time | temp memory | bytes accessed | compile time |",
+      "|---|---|---|---|---|",
+  ]
+  for name, f in results["variants"].items():
+    lines.append(
+        f"| {name} | {f['time_ratio']:.3f}× | {percent(f['temp_ratio'])} | "
+        f"{percent(f['bytes_accessed_ratio'])} | {f['compile_ratio']:.2f}× |"
+    )
+  base = results["variants"]["unguarded"]
+  lines += [
+      "",
+      f"Relative to the unguarded step: {base['step_seconds_median'] * 1e3:.1f} ms "
+      f"per step, {base['temp_bytes'] / 2**20:.2f} MiB temp memory, "
+      f"{base['bytes_accessed'] / 2**20:.1f} MiB accessed, "
+      f"{base['compile_seconds']:.2f} s to compile.",
+      "",
+      f"Model: {results['parameters']:,}-parameter byte-level transformer "
+      f"(d_model {config['d_model']}, {config['layers']} layers, {config['heads']} "
+      f"heads), batch {config['batch_size']}×{config['seq_len']}, adamw, float32 "
+      "params, bfloat16 compute, donated state. Step time: median of the per-round "
+      f"ratios over {config['rounds']} interleaved rounds of "
+      f"{config['steps_per_round']} steps; compile time: median of "
+      f"{config['compile_repeats']} fresh compilations.",
+      "",
+      f"Machine: {machine['platform']} ({machine['device_kind']}, "
+      f"{machine['cpu_count']} cores), Python {machine['python']}, JAX "
+      f"{machine['jax']}, optax {machine['optax']}, flax {machine['flax']}, "
+      f"jmp {machine['jmp']}. CPU only: no GPU was available; step times on a "
+      "shared machine are noisy (a few percent), the compiler figures are exact.",
+  ]
+  return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      description=__doc__.split("\n\n")[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("--d-model", type=int, default=256)
+  parser.add_argument("--layers", type=int, default=5)
+  parser.add_argument("--heads", type=int, default=4)
+  parser.add_argument("--seq-len", type=int, default=128)
+  parser.add_argument("--batch-size", type=int, default=8)
+  parser.add_argument("--rounds", type=int, default=15)
+  parser.add_argument("--steps-per-round", type=int, default=5)
+  parser.add_argument("--warmup-steps", type=int, default=2)
+  parser.add_argument("--compile-repeats", type=int, default=3)
+  parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
+                      help="directory for overhead.md and overhead.json")
+  return parser
+
+
+def main(argv=None) -> int:
+  args = build_parser().parse_args(argv)
+  results = measure(args)
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "overhead.json").write_text(json.dumps(results, indent=1))
+  table = markdown(results)
+  (out / "overhead.md").write_text(table)
+  print(table)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

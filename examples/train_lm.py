@@ -1,0 +1,637 @@
+"""Trains a small byte-level transformer LM in float32, bfloat16 and float16.
+
+This is what ``make demo`` runs. It trains the same decoder-only transformer
+(Flax Linen) on the same text with the same seed under each dtype policy and
+compares them, as in Micikevicius et al., "Mixed Precision Training" (ICLR
+2018): float32 master weights, half-precision compute, and dynamic loss
+scaling for float16.
+
+The text is the Python standard library's own ``.py`` source files (found
+through ``sysconfig``), read as bytes, so every machine has it; ``--data PATH``
+trains on a text file of your own instead. The first 95% of the bytes are the
+training split and the last 5% the validation split.
+
+Usage::
+
+  python examples/train_lm.py                      # compare the three policies
+  python examples/train_lm.py --policy mixed_float16 --init-scale '2**24'
+  python examples/train_lm.py --steps 2000 --d-model 256 --layers 6   # longer
+
+Writes ``runs/<timestamp>/metrics.json`` and ``runs/<timestamp>/loss.png``
+and prints a summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import datetime
+import json
+import math
+import operator
+import os
+import pathlib
+import platform
+import sys
+import sysconfig
+import time
+from typing import Any, Sequence
+
+COMPARED_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+VALIDATION_FRACTION = 0.05
+
+
+class UsageError(Exception):
+  """Bad command-line input; reported as one line, without a traceback."""
+
+
+# ---------------------------------------------------------------------------
+# Command line.
+
+_OPERATORS = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+    ast.Div: operator.truediv, ast.Pow: operator.pow,
+    ast.USub: operator.neg, ast.UAdd: operator.pos,
+}
+
+
+def parse_number(text: str) -> float:
+  """Evaluates a number or an arithmetic expression such as ``2**24``.
+
+  Only numbers, ``+ - * / **`` and parentheses are allowed.
+
+  Example:
+    >>> parse_number("2**24"), parse_number("0.5 * 2**16")
+    (16777216.0, 32768.0)
+  """
+
+  def evaluate(node):
+    if isinstance(node, ast.Expression):
+      return evaluate(node.body)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+      return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+      left, right = evaluate(node.left), evaluate(node.right)
+      if isinstance(node.op, ast.Pow) and abs(right) > 1024:
+        raise ValueError("exponent too large")
+      return _OPERATORS[type(node.op)](left, right)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
+      return _OPERATORS[type(node.op)](evaluate(node.operand))
+    raise ValueError(f"unsupported syntax {type(node).__name__}")
+
+  try:
+    return float(evaluate(ast.parse(text.strip(), mode="eval")))
+  except (SyntaxError, ValueError, ZeroDivisionError, OverflowError) as e:
+    raise UsageError(
+        f"cannot read the number {text!r} ({e}); write e.g. 65536 or 2**16."
+    ) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(
+      description=__doc__.split("\n\n")[0],
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+  )
+  parser.add_argument(
+      "--policy", default="compare",
+      help="compare (float32, mixed_bfloat16 and mixed_float16 in turn), "
+      "float32, mixed_bfloat16, mixed_float16, auto, or any jaxmp policy "
+      "string such as p=f32,c=bf16,o=f32",
+  )
+  parser.add_argument(
+      "--data", default=None,
+      help="a text file to train on (default: the Python standard library's "
+      ".py files)",
+  )
+  parser.add_argument("--steps", type=int, default=300)
+  parser.add_argument("--batch-size", type=int, default=16)
+  parser.add_argument("--seq-len", type=int, default=128)
+  parser.add_argument("--d-model", type=int, default=128)
+  parser.add_argument("--layers", type=int, default=3)
+  parser.add_argument("--heads", type=int, default=4)
+  parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+  parser.add_argument(
+      "--init-scale", default="2**15",
+      help="initial float16 loss scale; expressions like 2**24 are accepted",
+  )
+  parser.add_argument(
+      "--scale-period", type=int, default=100,
+      help="finite steps in a row before the float16 loss scale doubles",
+  )
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument(
+      "--eval-every", type=int, default=50,
+      help="steps between validation evaluations",
+  )
+  parser.add_argument(
+      "--eval-batches", type=int, default=4,
+      help="batches in each evaluation of the train and validation loss",
+  )
+  parser.add_argument(
+      "--max-bytes", type=int, default=16_000_000,
+      help="read at most this many bytes of text",
+  )
+  parser.add_argument("--out", default="runs", help="directory for the run folders")
+  parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
+  parser.add_argument("--quiet", action="store_true", help="no progress bar")
+  return parser
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """The training configuration shared by every policy of a run."""
+
+  steps: int
+  batch_size: int
+  seq_len: int
+  d_model: int
+  layers: int
+  heads: int
+  lr: float
+  init_scale: float
+  scale_period: int
+  seed: int
+  eval_every: int
+  eval_batches: int
+
+
+def check_args(args: argparse.Namespace) -> tuple[list[str], Config]:
+  """Validates the arguments; returns the policy names and the config."""
+  import jaxmp  # pylint: disable=import-outside-toplevel
+
+  if args.policy == "compare":
+    policies = list(COMPARED_POLICIES)
+  else:
+    try:
+      jaxmp.get_policy(args.policy)
+    except ValueError as e:
+      raise UsageError(
+          f"--policy: {e} Or use 'compare' to run float32, mixed_bfloat16 "
+          "and mixed_float16 in turn."
+      ) from None
+    policies = [args.policy]
+  positive = ("steps", "batch_size", "seq_len", "d_model", "layers", "heads",
+              "scale_period", "eval_every", "eval_batches", "max_bytes")
+  for name in positive:
+    if getattr(args, name) < 1:
+      raise UsageError(
+          f"--{name.replace('_', '-')} must be at least 1, got "
+          f"{getattr(args, name)}."
+      )
+  if args.d_model % args.heads:
+    raise UsageError(
+        f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads})."
+    )
+  if not (math.isfinite(args.lr) and args.lr > 0):
+    raise UsageError(f"--lr must be a positive number, got {args.lr}.")
+  init_scale = parse_number(args.init_scale)
+  if not (math.isfinite(init_scale) and 1.0 <= init_scale <= 2.0**127):
+    raise UsageError(
+        f"--init-scale must lie in [1, 2**127], got {args.init_scale} "
+        f"(= {init_scale})."
+    )
+  config = Config(
+      steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+      d_model=args.d_model, layers=args.layers, heads=args.heads, lr=args.lr,
+      init_scale=init_scale, scale_period=args.scale_period, seed=args.seed,
+      eval_every=args.eval_every, eval_batches=args.eval_batches,
+  )
+  return policies, config
+
+
+# ---------------------------------------------------------------------------
+# Data.
+
+
+def stdlib_sources() -> list[pathlib.Path]:
+  """The standard library's ``.py`` files, sorted, without tests or site-packages."""
+  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+  files = []
+  for path in sorted(root.rglob("*.py")):
+    if skip.isdisjoint(path.relative_to(root).parts):
+      files.append(path)
+  return files
+
+
+def load_text(path: str | None, max_bytes: int):
+  """Returns the training text as a uint8 NumPy array and a description."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  if path is not None:
+    file = pathlib.Path(path)
+    if not file.is_file():
+      raise UsageError(f"--data: no such file: {path}")
+    with open(file, "rb") as f:
+      text = f.read(max_bytes)
+    source = str(file)
+  else:
+    chunks, total = [], 0
+    for file in stdlib_sources():
+      chunk = file.read_bytes()
+      chunks.append(chunk)
+      total += len(chunk)
+      if total >= max_bytes:
+        break
+    text = b"".join(chunks)[:max_bytes]
+    source = f"Python {platform.python_version()} standard library ({len(chunks)} .py files)"
+  if not text:
+    raise UsageError(f"--data: the file is empty: {path}")
+  return np.frombuffer(text, dtype=np.uint8), source
+
+
+def split_text(text, seq_len: int):
+  """Splits the bytes into a fixed train and validation part."""
+  n_val = max(int(len(text) * VALIDATION_FRACTION), seq_len + 1)
+  train, val = text[:-n_val], text[-n_val:]
+  if len(train) < seq_len + 1:
+    raise UsageError(
+        f"--data: the text has {len(text)} bytes; it needs at least "
+        f"{2 * (seq_len + 1)} for --seq-len {seq_len} (lower --seq-len)."
+    )
+  return train, val
+
+
+def fixed_windows(text, count: int, seq_len: int):
+  """``count`` evenly spaced windows of ``seq_len + 1`` bytes (for evaluation)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  starts = np.linspace(0, len(text) - seq_len - 1, count).astype(np.int64)
+  return np.stack([text[s:s + seq_len + 1] for s in starts]).astype(np.int32)
+
+
+def random_windows(rng, text, batch_size: int, seq_len: int):
+  """A batch of random windows of ``seq_len + 1`` bytes."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  starts = rng.integers(0, len(text) - seq_len, size=batch_size)
+  return np.stack([text[s:s + seq_len + 1] for s in starts]).astype(np.int32)
+
+
+# ---------------------------------------------------------------------------
+# Model, loss and steps (imported lazily so that bad input fails fast).
+
+
+def build_model_module():
+  """Defines the Linen modules; returns the ``Transformer`` class."""
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  class Block(nn.Module):
+    """A pre-LayerNorm transformer block; computes in its inputs' dtype."""
+
+    num_heads: int
+
+    @nn.compact
+    def __call__(self, x, mask):
+      d_model = x.shape[-1]
+      h = nn.LayerNorm()(x)
+      h = nn.MultiHeadDotProductAttention(
+          num_heads=self.num_heads, force_fp32_for_softmax=True
+      )(h, mask=mask)
+      x = x + h
+      h = nn.LayerNorm()(x)
+      h = nn.Dense(4 * d_model)(h)
+      h = nn.gelu(h)
+      h = nn.Dense(d_model)(h)
+      return x + h
+
+  class Transformer(nn.Module):
+    """A decoder-only byte-level transformer.
+
+    The modules leave ``dtype`` unset, so they compute in the dtype of the
+    parameters they are given: cast the float32 master parameters with
+    ``policy.cast_to_compute`` before ``apply``.
+    """
+
+    d_model: int
+    num_layers: int
+    num_heads: int
+    max_len: int
+    vocab_size: int = 256
+
+    @nn.compact
+    def __call__(self, tokens):
+      x = nn.Embed(self.vocab_size, self.d_model)(tokens)
+      position = self.param(
+          "position", nn.initializers.normal(0.02), (self.max_len, self.d_model)
+      )
+      x = x + position[: tokens.shape[-1]].astype(x.dtype)
+      mask = nn.make_causal_mask(tokens, dtype=jnp.bool_)
+      for _ in range(self.num_layers):
+        x = Block(self.num_heads)(x, mask)
+      x = nn.LayerNorm()(x)
+      return nn.Dense(self.vocab_size)(x)
+
+  return Transformer
+
+
+def make_model(d_model: int, num_layers: int, num_heads: int, max_len: int):
+  """Returns a ``Transformer`` (a Flax Linen module)."""
+  return build_model_module()(
+      d_model=d_model, num_layers=num_layers, num_heads=num_heads, max_len=max_len
+  )
+
+
+def make_loss_fn(model, policy):
+  """The mean next-byte cross entropy, computed under ``policy``."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+
+  def loss_fn(params, batch):
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    logits = model.apply({"params": policy.cast_to_compute(params)}, inputs)
+    logits = policy.cast_to_output(logits).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+  return loss_fn
+
+
+def make_optimizer(config: Config, policy):
+  """AdamW with warm-up and cosine decay and clipping, wrapped for loss scaling.
+
+  float16 compute gets a dynamic loss scale; float32 and bfloat16 get the no-op
+  scale (bfloat16 has float32's range), so that every policy runs the same
+  guarded step and reports the same metrics.
+  """
+  import jaxmp  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+
+  warmup = max(1, min(100, config.steps // 10))
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, config.lr, warmup, max(config.steps, warmup + 1), config.lr / 10
+  )
+  inner = optax.chain(
+      optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1)
+  )
+  if policy.needs_loss_scaling:
+    loss_scale = jaxmp.DynamicLossScale(config.init_scale, period=config.scale_period)
+  else:
+    loss_scale = jaxmp.NoOpLossScale()
+  return jaxmp.loss_scaling(inner, loss_scale)
+
+
+def make_train_step(loss_fn, tx):
+  """One guarded step: scaled gradients, update or skip, adjust the scale."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jaxmp  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+
+  def train_step(params, opt_state, batch):
+    loss_scale = jaxmp.get_loss_scale(opt_state)
+    loss, grads = jaxmp.scaled_value_and_grad(loss_fn, loss_scale)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics = jaxmp.loss_scaling_metrics(opt_state)
+    metrics["loss"] = loss
+    return params, opt_state, metrics
+
+  return jax.jit(train_step, donate_argnums=(0, 1))
+
+
+# ---------------------------------------------------------------------------
+# Training.
+
+
+def format_scale(value: float, needs_scaling: bool) -> str:
+  """``2^15`` for powers of two, ``-`` when the policy uses no loss scale."""
+  if not needs_scaling:
+    return "-"
+  exponent = math.log2(value) if value > 0 else float("nan")
+  if math.isfinite(exponent) and exponent == int(exponent):
+    return f"2^{int(exponent)}"
+  return f"{value:.4g}"
+
+
+def memory_figure(compiled) -> dict[str, Any]:
+  """Peak device memory where the backend reports it, else XLA's estimate."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  stats = jax.local_devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    return {"bytes": int(stats["peak_bytes_in_use"]), "source": "device peak"}
+  analysis = compiled.memory_analysis()
+  if analysis is None:
+    return {"bytes": None, "source": "unavailable"}
+  total = (analysis.argument_size_in_bytes + analysis.output_size_in_bytes
+           + analysis.temp_size_in_bytes - analysis.alias_size_in_bytes)
+  return {"bytes": int(total), "source": "XLA estimate of the step"}
+
+
+def train(policy_name: str, config: Config, train_text, val_text,
+          progress: bool) -> dict[str, Any]:
+  """Trains one policy; returns its metrics."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import tqdm  # pylint: disable=import-outside-toplevel
+
+  import jaxmp  # pylint: disable=import-outside-toplevel
+
+  policy = jaxmp.get_policy(policy_name)
+  model = make_model(config.d_model, config.layers, config.heads, config.seq_len)
+  loss_fn = make_loss_fn(model, policy)
+  tx = make_optimizer(config, policy)
+  rng = np.random.default_rng(config.seed)
+  sample = jnp.zeros((config.batch_size, config.seq_len), jnp.int32)
+  params = model.init(jax.random.PRNGKey(config.seed), sample)["params"]
+  params = policy.cast_to_param(params)
+  opt_state = tx.init(params)
+  n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+
+  batch = random_windows(rng, train_text, config.batch_size, config.seq_len)
+  started = time.perf_counter()
+  compiled = make_train_step(loss_fn, tx).lower(params, opt_state, batch).compile()
+  compile_seconds = time.perf_counter() - started
+  evaluate = jax.jit(loss_fn)
+  train_eval = fixed_windows(train_text, config.eval_batches * config.batch_size,
+                             config.seq_len)
+  val_eval = fixed_windows(val_text, config.eval_batches * config.batch_size,
+                           config.seq_len)
+
+  def mean_loss(params, windows):
+    losses = [evaluate(params, windows[i:i + config.batch_size])
+              for i in range(0, len(windows), config.batch_size)]
+    return float(np.mean(jax.device_get(losses)))
+
+  history = {"loss": [], "loss_scale": [], "skipped": []}
+  val_history = {"step": [], "loss": []}
+  bar = tqdm.tqdm(total=config.steps, desc=f"{policy_name:>14}", unit="step",
+                  disable=not progress, mininterval=0.5, dynamic_ncols=True)
+  train_seconds, skipped = 0.0, 0
+  scale_used = float(jax.device_get(jaxmp.get_loss_scale(opt_state).loss_scale))
+  for step in range(1, config.steps + 1):
+    started = time.perf_counter()
+    params, opt_state, metrics = compiled(params, opt_state, batch)
+    metrics = jax.device_get(metrics)
+    train_seconds += time.perf_counter() - started
+    batch = random_windows(rng, train_text, config.batch_size, config.seq_len)
+    loss, scale = float(metrics["loss"]), float(metrics["loss_scale"])
+    skipped = int(metrics["skipped_steps"])
+    history["loss"].append(loss)
+    history["loss_scale"].append(scale_used)  # the scale this step ran with
+    scale_used = scale
+    history["skipped"].append(not bool(metrics["last_finite"]))
+    if step % config.eval_every == 0 or step == config.steps:
+      val_history["step"].append(step)
+      val_history["loss"].append(mean_loss(params, val_eval))
+    bar.set_postfix_str(
+        f"loss={loss:.3f} scale={format_scale(scale, policy.needs_loss_scaling)} "
+        f"skipped={skipped}", refresh=False)
+    bar.update(1)
+  bar.close()
+
+  tokens = config.steps * config.batch_size * config.seq_len
+  return {
+      "policy": policy_name,
+      "policy_string": str(policy),
+      "loss_scaling": policy.needs_loss_scaling,
+      "parameters": int(n_params),
+      "final_train_loss": mean_loss(params, train_eval),
+      "final_val_loss": val_history["loss"][-1],
+      "skipped_steps": skipped,
+      "final_loss_scale": scale_used,
+      "tokens_per_second": tokens / train_seconds,
+      "compile_seconds": compile_seconds,
+      "memory": memory_figure(compiled),
+      "train": history,
+      "validation": val_history,
+  }
+
+
+# ---------------------------------------------------------------------------
+# Reporting.
+
+
+def format_bytes(count: int | None) -> str:
+  if count is None:
+    return "n/a"
+  return f"{count / 2**20:.1f} MiB"
+
+
+def summary_table(results: Sequence[dict[str, Any]]) -> str:
+  """The summary as a Markdown table."""
+  lines = [
+      "| policy | train loss | val loss | skipped steps | final loss scale "
+      "| tokens/s | memory |",
+      "|---|---|---|---|---|---|---|",
+  ]
+  for r in results:
+    memory = r["memory"]
+    lines.append(
+        f"| {r['policy']} | {r['final_train_loss']:.3f} | "
+        f"{r['final_val_loss']:.3f} | {r['skipped_steps']} | "
+        f"{format_scale(r['final_loss_scale'], r['loss_scaling'])} | "
+        f"{r['tokens_per_second']:,.0f} | {format_bytes(memory['bytes'])} |"
+    )
+  sources = sorted({r["memory"]["source"] for r in results})
+  lines.append("")
+  lines.append(f"memory: {', '.join(sources)}.")
+  return "\n".join(lines)
+
+
+def plot(results: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
+  """Loss curves of every policy; the float16 loss scale with skipped steps."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  scaled = [r for r in results if r["loss_scaling"]]
+  rows = 2 if scaled else 1
+  fig, axes = plt.subplots(rows, 1, figsize=(8, 3.2 * rows + 0.6), sharex=True,
+                           squeeze=False)
+  ax = axes[0, 0]
+  for r in results:
+    loss = np.asarray(r["train"]["loss"])
+    steps = np.arange(1, len(loss) + 1)
+    window = max(1, min(10, len(loss) // 10))
+    smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
+    (line,) = ax.plot(steps[window - 1:], smooth, label=f"{r['policy']} (train)")
+    ax.plot(r["validation"]["step"], r["validation"]["loss"], "o--",
+            color=line.get_color(), markersize=4, linewidth=1,
+            label=f"{r['policy']} (validation)")
+  ax.set_ylabel("cross entropy (nats/byte)")
+  ax.set_title("Byte-level transformer LM: float32 vs mixed precision")
+  ax.legend(fontsize=8)
+  ax.grid(alpha=0.3)
+  for i, r in enumerate(scaled):
+    ax = axes[1, 0]
+    used = np.asarray(r["train"]["loss_scale"])
+    steps = np.arange(1, len(used) + 1)
+    ax.step(steps, used, where="post", label=f"{r['policy']} loss scale")
+    skipped = np.flatnonzero(np.asarray(r["train"]["skipped"]))
+    ax.plot(steps[skipped], used[skipped], "x", color="red",
+            label=f"skipped steps ({len(skipped)})" if i == 0 else None)
+    ax.set_yscale("log", base=2)
+    ax.set_ylabel("loss scale")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+  axes[-1, 0].set_xlabel("step")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def machine_description() -> dict[str, Any]:
+  import jax  # pylint: disable=import-outside-toplevel
+
+  device = jax.devices()[0]
+  return {
+      "platform": device.platform,
+      "device_kind": device.device_kind,
+      "cpu_count": os.cpu_count(),
+      "python": platform.python_version(),
+      "jax": jax.__version__,
+  }
+
+
+def run(argv: Sequence[str] | None = None) -> pathlib.Path:
+  """Parses ``argv``, trains, writes the outputs; returns the run directory."""
+  args = build_parser().parse_args(argv)
+  policies, config = check_args(args)
+  text, source = load_text(args.data, args.max_bytes)
+  train_text, val_text = split_text(text, config.seq_len)
+  run_dir = pathlib.Path(args.out) / datetime.datetime.now().strftime(
+      "%Y%m%d-%H%M%S-%f")
+  run_dir.mkdir(parents=True, exist_ok=False)
+  print(f"data: {source}: {len(train_text):,} train bytes, "
+        f"{len(val_text):,} validation bytes", file=sys.stderr)
+
+  results = [train(p, config, train_text, val_text, progress=not args.quiet)
+             for p in policies]
+  print(f"\nmodel: {results[0]['parameters']:,} parameters; {config.steps} "
+        f"steps of {config.batch_size}x{config.seq_len} bytes\n")
+  print(summary_table(results))
+  metrics = {
+      "config": dataclasses.asdict(config),
+      "data": {"source": source, "train_bytes": int(len(train_text)),
+               "validation_bytes": int(len(val_text))},
+      "machine": machine_description(),
+      "results": results,
+  }
+  (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
+  written = [run_dir / "metrics.json"]
+  if not args.no_plot:
+    plot(results, run_dir / "loss.png")
+    written.append(run_dir / "loss.png")
+  print("\nwrote " + ", ".join(str(p) for p in written))
+  return run_dir
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  try:
+    run(argv)
+  except UsageError as e:
+    print(f"train_lm.py: error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print("train_lm.py: interrupted", file=sys.stderr)
+    return 130
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,83 @@
+"""Tests of benchmarks/: the overhead table in a tiny configuration.
+
+Only the compiler's figures (temp bytes, bytes accessed) are asserted: they are
+deterministic. Step and compile times are never asserted.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import policy_speed  # noqa: E402  pylint: disable=wrong-import-position
+
+VARIANTS = ["unguarded", "jaxmp", "jmp manual", "optax.apply_if_finite",
+            "flax DynamicScale"]
+TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "16",
+        "--batch-size", "4", "--rounds", "1", "--steps-per-round", "1",
+        "--warmup-steps", "1", "--compile-repeats", "1"]
+
+
+@pytest.fixture(scope="module")
+def overhead_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("bench")
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "benchmarks" / "overhead.py"), *TINY,
+       "--out", str(out)],
+      capture_output=True, text=True, timeout=300, check=False,
+  )
+  assert proc.returncode == 0, proc.stderr
+  return proc, out
+
+
+def test_overhead_writes_its_table(overhead_run):
+  proc, out = overhead_run
+  table = (out / "overhead.md").read_text()
+  assert table in proc.stdout
+  assert table.startswith(
+      "| variant | step time | temp memory | bytes accessed | compile time |")
+  rows = [line.split("|")[1].strip() for line in table.splitlines()[2:7]]
+  assert rows == VARIANTS
+  assert "| unguarded | 1.000× | +0.0% | +0.0% | 1.00× |" in table
+  assert "CPU only" in table and "JAX " in table
+
+
+def test_overhead_json(overhead_run):
+  _, out = overhead_run
+  results = json.loads((out / "overhead.json").read_text())
+  assert list(results["variants"]) == VARIANTS
+  assert results["config"]["d_model"] == 32
+  for figures in results["variants"].values():
+    assert figures["temp_bytes"] > 0 and figures["bytes_accessed"] > 0
+    assert figures["step_seconds_median"] > 0 and figures["compile_seconds"] > 0
+
+
+def test_jaxmp_costs_less_than_its_peers(overhead_run):
+  _, out = overhead_run
+  variants = json.loads((out / "overhead.json").read_text())["variants"]
+  base, ours = variants["unguarded"], variants["jaxmp"]
+  # The guard adds no temp memory beyond 0.5% (no copy of the moments).
+  assert ours["temp_bytes"] <= base["temp_bytes"] * 1.005
+  for name in VARIANTS[2:]:
+    assert ours["temp_bytes"] <= variants[name]["temp_bytes"], name
+    assert ours["bytes_accessed"] < variants[name]["bytes_accessed"], name
+
+
+def test_policy_speed_table_says_cpu_only():
+  figures = {"time_ratio": 1.0, "tokens_per_second": 1000.0, "temp_bytes": 2**20,
+             "bytes_accessed": 2**30, "policy": "p=f32,c=f32,o=f32"}
+  results = {
+      "config": {"d_model": 8, "layers": 1, "batch_size": 2, "seq_len": 4,
+                 "rounds": 1, "steps_per_round": 1},
+      "parameters": 100,
+      "machine": {"platform": "cpu", "device_kind": "cpu", "cpu_count": 2,
+                  "jax": "0.0"},
+      "policies": {"float32": figures},
+  }
+  table = policy_speed.markdown(results)
+  assert "| float32 (`p=f32,c=f32,o=f32`) | 1.00× | 1,000 | 1.0 MiB | 1024 MiB |" in table
+  assert "CPU only" in table
