@@ -5,6 +5,7 @@ gradients and skips non-finite steps without leaving the device. Flax pieces
 live in :mod:`jaxmp.flax`.
 """
 
+from jaxmp.accumulation import multi_steps
 from jaxmp.distributed import opt_state_shardings
 from jaxmp.diagnostics import (
     dtype_headroom,
