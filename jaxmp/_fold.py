@@ -71,6 +71,18 @@ def update_or_keep(
     ``(updates, new_state)``. The updates are the inner updates when ``finite``
     and unspecified otherwise (the caller replaces them); ``new_state`` is the
     inner new state when ``finite`` and bit-identical to ``state`` otherwise.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from jaxmp._fold import update_or_keep
+    >>> tx = optax.sgd(0.1, momentum=0.9)
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> step = jax.jit(lambda finite, grads, state: update_or_keep(
+    ...     tx.update, finite, grads, state, params))
+    >>> _, kept = step(jnp.array(False), {"w": jnp.array([jnp.inf, 1.0])}, state)
+    >>> kept[0].trace["w"]
+    Array([0., 0.], dtype=float32)
   """
   inputs = (finite, grads, state, params)
   if not _is_traced(inputs) or _varies_over_manual_axes(inputs):
