@@ -26,6 +26,7 @@ T = TypeVar("T")
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 _INT32_MAX = int(np.iinfo(np.int32).max)
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126
 
 
 class _Default:
@@ -146,12 +147,19 @@ class LossScale:
 
   def unscale(self, tree: T) -> T:
     """Divides each leaf by the loss scale; each leaf keeps its own dtype."""
-    inverse = 1.0 / jnp.asarray(self.loss_scale)
+    scale = jnp.asarray(self.loss_scale)
+    # XLA divides by a scalar as a product with its reciprocal, and above
+    # 2**126 that reciprocal is a float32 subnormal, which the CPU and TPU
+    # flush to zero. There, multiply by 1 / (scale / 4) and then by 1 / 4
+    # (behind a barrier, so that a constant scale is not folded back).
+    rest = jnp.where(scale > np.float32(2.0**126), np.float32(0.25), np.float32(1))
+    inverse, rest = jax.lax.optimization_barrier((1.0 / (scale * rest), rest))
 
     def unscale_leaf(x):
       x = jnp.asarray(x)
       dtype = _leaf_dtype(x)
-      return (x.astype(dtype) * inverse.astype(dtype)).astype(x.dtype)
+      unscaled = x.astype(dtype) * inverse.astype(dtype) * rest.astype(dtype)
+      return unscaled.astype(x.dtype)
 
     return jax.tree_util.tree_map(unscale_leaf, tree)
 
@@ -258,7 +266,8 @@ class DynamicLossScale(LossScale):
     counter: finite steps since the last growth or overflow (state).
     period: number of consecutive finite steps before the scale grows.
     factor: the growth factor, > 1.
-    min_loss_scale: the scale never backs off below this (>= 0).
+    min_loss_scale: the scale never backs off below this (>= 0), nor below
+      ``2**-126``, the smallest normal float32, so it never becomes 0.
     backoff_factor: multiplier on overflow, in (0, 1); default ``1/factor``.
     max_loss_scale: the scale never grows above this; default the largest
       finite float32, so the scale never becomes inf.
@@ -423,7 +432,8 @@ class DynamicLossScale(LossScale):
 
     # Non-finite step.
     use_budget = left > 1
-    floor = np.float32(self.min_loss_scale)
+    # Never below the smallest normal float32: smaller scales are flushed to 0.
+    floor = np.float32(max(self.min_loss_scale, _FLOAT32_TINY))
     backed_off = jnp.maximum(_multiply(scale, self.backoff_factor), floor)
     overflow_scale = jnp.where(use_budget, scale, backed_off)
     overflow_left = jnp.where(use_budget, left - 1, left)
