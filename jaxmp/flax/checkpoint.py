@@ -155,7 +155,11 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
 
   Raises:
     ValueError: if ``check_config`` and the loss scale's configuration or the
-      policy of ``target`` differ from the saved ones.
+      policy of ``target`` differ from the saved ones; and, whatever
+      ``check_config``, if the target holds a different kind of loss scale
+      (e.g. a float32 run's ``NoOpLossScale`` restored into a
+      ``mixed_float16`` target with a ``DynamicLossScale``), whose arrays
+      cannot be restored into it.
 
   Example:
     >>> import os, tempfile, jax, jax.numpy as jnp, optax, jaxmp, jaxmp.flax
@@ -173,6 +177,7 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
     restore_checkpoint: the checkpoint was saved with
   """
   ocp, checkpointer = _checkpointer()
+  directory = os.path.abspath(os.fspath(directory))
   nnx_target = _is_nnx_node(target)
   if nnx_target:
     from flax import nnx  # pylint: disable=g-import-not-at-top
@@ -180,24 +185,41 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
     items = nnx.state(target)
   else:
     items = target
+  # The configuration is checked before the arrays are read, so that a
+  # mismatch is explained here rather than by orbax's tree comparison.
+  saved = checkpointer.restore(
+      directory, args=ocp.args.Composite(jaxmp_config=ocp.args.JsonRestore())
+  ).jaxmp_config
+  expected = _config(target)
+  saved_type = (saved or {}).get("loss_scale", {}).get("type")
+  expected_type = expected["loss_scale"].get("type")
+  if saved_type != expected_type:
+    raise ValueError(
+        f"restore_checkpoint: the checkpoint holds a {saved_type or 'no loss scale'}"
+        f" and the target a {expected_type or 'no loss scale'}, so their arrays "
+        "differ (as when switching between float32 and mixed_float16), and "
+        "check_config=False cannot bridge that. Restore into a target built "
+        f"with the saved configuration {saved}, then start the new run from "
+        "its params (TrainState.create(..., params=restored.params, "
+        "policy=...)), keeping "
+        "the optimizer moments with opt_state._replace(inner_state="
+        "restored.opt_state.inner_state) if you wish."
+    )
+  if check_config and saved != expected:
+    raise ValueError(
+        "restore_checkpoint: the checkpoint was saved with the configuration "
+        f"{saved}, but the target has {expected}. The loss scale's "
+        "configuration and the policy come from the target (your code). "
+        "Build the target with the saved configuration, or pass "
+        "check_config=False to resume under the new one."
+    )
   restored = checkpointer.restore(
-      os.path.abspath(os.fspath(directory)),
+      directory,
       args=ocp.args.Composite(
           state=ocp.args.StandardRestore(items),
           jaxmp_config=ocp.args.JsonRestore(),
       ),
   )
-  if check_config:
-    saved = restored.jaxmp_config
-    expected = _config(target)
-    if saved != expected:
-      raise ValueError(
-          "restore_checkpoint: the checkpoint was saved with the configuration "
-          f"{saved}, but the target has {expected}. The loss scale's "
-          "configuration and the policy come from the target (your code). "
-          "Build the target with the saved configuration, or pass "
-          "check_config=False to resume under the new one."
-      )
   if nnx_target:
     nnx.update(target, restored.state)
     return target

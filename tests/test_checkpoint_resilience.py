@@ -1,0 +1,262 @@
+"""Checkpoints under stress: mid-burst resumes, precision switches, configuration.
+
+* An orbax checkpoint written in the middle of a burst of overflows (scale
+  backed off, hysteresis budget half used, a nan in a gradient accumulator)
+  resumes bit-identically.
+* A float32 run's checkpoint restored into a ``mixed_float16`` run (and the
+  reverse) either works or fails with a message that says what to do; what it
+  says to do works.
+* The loss scale's configuration and its state survive a save and restore.
+"""
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxmp
+import jaxmp.flax
+
+BURST_SCALE = jaxmp.DynamicLossScale(
+    2.0**10, period=4, min_loss_scale=2.0**6, hysteresis=3)
+N_STEPS = 24
+BURST = range(8, 16)  # eight overflows in a row
+SAVE_AT = 12  # after the 12th step: inside the burst
+
+
+class MLP(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(2)(nn.tanh(nn.Dense(8)(x)))
+
+
+def make_state(policy="mixed_float16", loss_scale=BURST_SCALE, tx=None):
+  model = MLP()
+  params = model.init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+  return jaxmp.flax.TrainState.create(
+      apply_fn=model.apply, params=params,
+      tx=optax.adamw(1e-2) if tx is None else tx, policy=policy,
+      loss_scale=loss_scale)
+
+
+def batch(i):
+  rng = np.random.default_rng(i)
+  return (jnp.asarray(rng.normal(size=(8, 4)), jnp.float32),
+          jnp.asarray(rng.normal(size=(8, 2)), jnp.float32))
+
+
+def poison(grads, inject):
+  leaves, treedef = jax.tree_util.tree_flatten(grads)
+  leaves[0] = jnp.where(inject, leaves[0].at[0].set(jnp.inf), leaves[0])
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+@jax.jit
+def train_step(state, x, y, inject):
+  def loss_fn(params, x, y):
+    return jnp.mean((state.apply_fn({"params": params}, x) - y) ** 2)
+
+  _, grads = state.value_and_grad(loss_fn)(state.params, x, y)
+  return state.apply_gradients(grads=poison(grads, inject))
+
+
+def arrays(state):
+  """The pytree part of a state (its ``tx`` is a new closure in each state)."""
+  return state.step, state.params, state.opt_state
+
+
+def run(state, steps):
+  scales = []
+  for i in steps:
+    state = train_step(state, *batch(i), jnp.asarray(i in BURST))
+    scales.append(float(state.loss_scale.loss_scale))
+  return state, scales
+
+
+@pytest.mark.parametrize("target", ["abstract", "fresh"])
+def test_resume_in_the_middle_of_a_fault_burst_is_bit_identical(tmp_path, target):
+  state, scales = run(make_state(), range(SAVE_AT))
+  # The checkpoint is written mid-burst: the last step overflowed, the scale
+  # has backed off and the hysteresis budget is partly spent.
+  loss_scale = state.loss_scale
+  assert not bool(state.metrics["last_finite"])
+  assert int(state.metrics["skipped_steps"]) == SAVE_AT - BURST.start
+  assert float(loss_scale.loss_scale) < max(scales)
+  assert 1 <= int(loss_scale.hysteresis_left) < loss_scale.hysteresis
+  jaxmp.flax.save_checkpoint(tmp_path / "mid_burst", state)
+
+  reference, reference_scales = run(state, range(SAVE_AT, N_STEPS))
+  built = jax.eval_shape(make_state) if target == "abstract" else make_state()
+  restored = jaxmp.flax.restore_checkpoint(tmp_path / "mid_burst", built)
+  chex.assert_trees_all_equal(arrays(restored), arrays(state))
+  resumed, resumed_scales = run(restored, range(SAVE_AT, N_STEPS))
+  chex.assert_trees_all_equal(arrays(resumed), arrays(reference))
+  assert resumed_scales == reference_scales
+  assert int(resumed.metrics["skipped_steps"]) == len(BURST)
+  # The burst drove the scale to its minimum, and it grew again afterwards.
+  assert min(scales + resumed_scales) == 2.0**6
+  assert resumed_scales[-1] > 2.0**6
+
+
+ACCUMULATE = 4
+
+
+def test_resume_with_a_nan_in_the_gradient_accumulator(tmp_path):
+  """Saved between a poisoned micro-batch and the end of its accumulation."""
+  model = MLP()
+  params0 = model.init(jax.random.key(1), jnp.ones((1, 4)))["params"]
+  make_tx = lambda: jaxmp.multi_steps(
+      optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**10, period=2), ACCUMULATE)
+  tx = make_tx()
+
+  @jax.jit
+  def micro_step(params, opt_state, x, y, inject):
+    def loss_fn(params):
+      return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
+
+    loss_scale = jaxmp.get_loss_scale(opt_state)
+    _, grads = jaxmp.scaled_value_and_grad(loss_fn, loss_scale)(params)
+    grads = jax.tree_util.tree_map(lambda g: jnp.where(inject, jnp.nan * g, g), grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  def run_micro(params, opt_state, steps):
+    for i in steps:
+      params, opt_state = micro_step(params, opt_state, *batch(i), jnp.asarray(i == 5))
+    return params, opt_state
+
+  params, opt_state = run_micro(params0, tx.init(params0), range(6))
+  assert not bool(jaxmp.all_finite(opt_state.acc_grads))  # the nan is saved
+  jaxmp.flax.save_checkpoint(tmp_path / "accumulating", (params, opt_state))
+  reference = run_micro(params, opt_state, range(6, 16))
+
+  target = jax.eval_shape(lambda: (params0, make_tx().init(params0)))
+  restored = jaxmp.flax.restore_checkpoint(tmp_path / "accumulating", target)
+  chex.assert_trees_all_equal(restored, (params, opt_state))
+  resumed = run_micro(*restored, range(6, 16))
+  chex.assert_trees_all_equal(resumed, reference)
+  # The poisoned accumulation was skipped once; the next ones were applied.
+  assert int(jaxmp.loss_scaling_metrics(resumed[1])["skipped_steps"]) == 1
+  assert jaxmp.all_finite(resumed)
+
+
+# ---------------------------------------------------------------------------
+# Switching precision between a checkpoint and the run that restores it.
+
+
+def trained(policy, loss_scale=None):
+  state = make_state(policy, loss_scale)
+  for i in range(3):
+    state = train_step(state, *batch(i), jnp.asarray(False))
+  return state
+
+
+@pytest.mark.parametrize("saved_policy, target_policy", [
+    ("float32", "mixed_float16"),
+    ("mixed_float16", "float32"),
+])
+def test_switching_between_float32_and_float16_fails_clearly_and_the_advice_works(
+    tmp_path, saved_policy, target_policy):
+  saved = trained(saved_policy, None if saved_policy == "float32" else BURST_SCALE)
+  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", saved)
+  default_scale = lambda policy: None if policy == "float32" else BURST_SCALE
+  target = make_state(target_policy, default_scale(target_policy))
+  saved_type = type(saved.loss_scale).__name__
+  target_type = type(target.loss_scale).__name__
+  for check_config in (True, False):
+    with pytest.raises(ValueError) as error:
+      jaxmp.flax.restore_checkpoint(tmp_path / "ckpt", target, check_config=check_config)
+    message = str(error.value)
+    assert f"holds a {saved_type} and the target a {target_type}" in message
+    assert f"'policy': '{saved.policy}'" in message  # the saved configuration
+    assert "params=restored.params" in message and "inner_state" in message
+
+  # What the message advises: restore under the saved configuration, then
+  # start the new run from its params (and optimizer moments).
+  restored = jaxmp.flax.restore_checkpoint(
+      tmp_path / "ckpt", make_state(saved_policy, default_scale(saved_policy)))
+  fresh = make_state(target_policy, default_scale(target_policy))
+  switched = fresh.replace(
+      params=restored.params,
+      opt_state=fresh.opt_state._replace(inner_state=restored.opt_state.inner_state))
+  chex.assert_trees_all_equal(switched.params, saved.params)
+  chex.assert_trees_all_equal(switched.opt_state.inner_state, saved.opt_state.inner_state)
+  switched = train_step(switched, *batch(3), jnp.asarray(False))
+  assert int(switched.metrics["skipped_steps"]) == 0
+  assert jaxmp.all_finite(switched.params)
+  assert switched.policy == jaxmp.get_policy(target_policy)
+
+
+def test_float32_checkpoint_into_a_bfloat16_run_works_when_asked(tmp_path):
+  """Same loss scale kind (none): only the policy differs, and it is code."""
+  saved = trained("float32")
+  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", saved)
+  target = make_state("mixed_bfloat16", None)
+  with pytest.raises(ValueError, match=r"p=f32,c=f32,o=f32.*p=f32,c=bf16,o=f32.*"
+                     r"check_config=False"):
+    jaxmp.flax.restore_checkpoint(tmp_path / "ckpt", target)
+  restored = jaxmp.flax.restore_checkpoint(tmp_path / "ckpt", target, check_config=False)
+  assert restored.policy == jaxmp.get_policy("mixed_bfloat16")
+  chex.assert_trees_all_equal(arrays(restored), arrays(saved))
+  restored = train_step(restored, *batch(3), jnp.asarray(False))
+  assert restored.params["Dense_0"]["kernel"].dtype == jnp.float32
+
+
+# ---------------------------------------------------------------------------
+# The loss scale's configuration and state survive.
+
+CONFIGURED = jaxmp.DynamicLossScale(
+    2.0, period=7, factor=3.0, min_loss_scale=0.5, backoff_factor=0.25,
+    max_loss_scale=2.0**20, hysteresis=3, consecutive_hysteresis=True)
+STATIC_FIELDS = ("period", "factor", "min_loss_scale", "backoff_factor",
+                 "max_loss_scale", "hysteresis", "consecutive_hysteresis")
+STATE_FIELDS = ("loss_scale", "counter", "hysteresis_left", "overflows_at_min")
+
+
+def test_loss_scale_configuration_and_state_survive(tmp_path):
+  state = make_state("mixed_float16", CONFIGURED)
+  for i in range(12):  # 8 overflows, then 4 clean steps
+    state = train_step(state, *batch(i), jnp.asarray(i < 8))
+  before = state.loss_scale
+  assert int(before.overflows_at_min) == 5 and int(before.counter) == 4
+  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", state)
+  restored = jaxmp.flax.restore_checkpoint(
+      tmp_path / "ckpt", jax.eval_shape(lambda: make_state("mixed_float16", CONFIGURED)))
+  after = restored.loss_scale
+  assert type(after) is jaxmp.DynamicLossScale
+  for field in STATIC_FIELDS:
+    assert getattr(after, field) == getattr(CONFIGURED, field), field
+  for field in STATE_FIELDS:
+    value = getattr(after, field)
+    assert value.dtype == getattr(before, field).dtype and value.shape == ()
+    assert value == getattr(before, field), field
+  assert jaxmp.flax.loss_scale_config(restored) == jaxmp.flax.loss_scale_config(state)
+  chex.assert_trees_all_equal(restored.metrics, state.metrics)
+  # The overflows at the minimum survive: the host-side check still stops.
+  with pytest.raises(jaxmp.LossScaleAtMinimumError, match="minimum \\(0.5\\)"):
+    jaxmp.check_loss_scale(restored.opt_state)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("period", 8), ("factor", 2.0), ("min_loss_scale", 0.25),
+    ("backoff_factor", 0.5), ("max_loss_scale", 2.0**21), ("hysteresis", 2),
+    ("consecutive_hysteresis", False),
+])
+def test_any_changed_configuration_field_is_named(tmp_path, field, value):
+  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", make_state("mixed_float16", CONFIGURED))
+  kwargs = {name: getattr(CONFIGURED, name) for name in STATIC_FIELDS}
+  kwargs[field] = value
+  changed = jaxmp.DynamicLossScale(2.0, **kwargs)
+  target = make_state("mixed_float16", changed)
+  with pytest.raises(ValueError) as error:
+    jaxmp.flax.restore_checkpoint(tmp_path / "ckpt", target)
+  message = str(error.value)
+  assert f"'{field}': {getattr(CONFIGURED, field)!r}" in message
+  assert f"'{field}': {value!r}" in message
+  assert "check_config=False" in message
+  restored = jaxmp.flax.restore_checkpoint(tmp_path / "ckpt", target, check_config=False)
+  assert getattr(restored.loss_scale, field) == value  # the target's, as asked
