@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable
 
 import jax
@@ -47,6 +48,10 @@ def multi_steps(
     **multi_steps_kwargs: passed to ``optax.MultiSteps`` (e.g.
       ``use_grad_mean``).
 
+  Raises:
+    ValueError: if ``every_k_schedule`` is neither a function nor an integer
+      >= 1.
+
   Example:
     >>> import jax.numpy as jnp, optax, jaxmp
     >>> tx = jaxmp.multi_steps(optax.sgd(1.0), jaxmp.StaticLossScale(4.0), 2)
@@ -59,6 +64,16 @@ def multi_steps(
     >>> state.acc_grads["w"]  # and the accumulator starts clean
     Array([0., 0.], dtype=float32)
   """
+  if not callable(every_k_schedule) and (
+      isinstance(every_k_schedule, bool)
+      or not isinstance(every_k_schedule, numbers.Integral)
+      or every_k_schedule < 1
+  ):
+    raise ValueError(
+        "multi_steps: every_k_schedule must be an integer >= 1 (the number of "
+        "micro-batches per step) or a function of the step count, got "
+        f"{every_k_schedule!r}."
+    )
   accumulate = optax.MultiSteps(
       loss_scaling(inner, loss_scale, axis_name=axis_name),
       every_k_schedule,

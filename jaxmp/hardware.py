@@ -50,12 +50,20 @@ def auto_policy(device: Any = None) -> Policy:
     :class:`jaxmp.DynamicLossScale`.
   * CPU: ``float32``, since low precision brings no speed there.
 
+  Raises:
+    TypeError: if ``device`` is not a JAX device (e.g. a platform name).
+
   Example:
     >>> import jaxmp
     >>> str(jaxmp.auto_policy())  # on the CPU
     'p=f32,c=f32,o=f32'
   """
   device = jax.devices()[0] if device is None else device
+  if not isinstance(getattr(device, "platform", None), str):
+    raise TypeError(
+        f"auto_policy expects a JAX device or None, got {device!r}. Pass a "
+        "device such as jax.devices()[0] (or jax.devices('gpu')[0])."
+    )
   native = _native_support(device)
   if native["bfloat16"]:
     return get_policy("mixed_bfloat16")

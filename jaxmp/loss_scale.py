@@ -389,7 +389,7 @@ class DynamicLossScale(LossScale):
       if value > self.max_loss_scale:
         raise ValueError(
             f"{cls}: the initial loss_scale ({value}) is above max_loss_scale "
-            f"({self.max_loss_scale})."
+            f"({self.max_loss_scale}); lower loss_scale or raise max_loss_scale."
         )
     value = _concrete(counter)
     if value is not None and not 0 <= value < self.period:

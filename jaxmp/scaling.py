@@ -120,7 +120,16 @@ def loss_scaling(
     grads = current.unscale(updates)
     finite = all_finite(grads)
     if axis_name is not None:
-      finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+      try:
+        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name)
+      except NameError:
+        raise ValueError(
+            f"jaxmp.loss_scaling(axis_name={axis_name!r}): that axis name is "
+            "not bound where update runs. Call update inside jax.shard_map or "
+            "jax.pmap over that axis, or drop axis_name under plain jax.jit, "
+            "where the finiteness check over sharded arrays is already global."
+        ) from None
+      finite = finite.astype(jnp.bool_)
     # The old inner state is selected where each new leaf is produced, so that
     # XLA writes it once, in place (see jaxmp/_fold.py).
     inner_updates, inner_state = update_or_keep(
@@ -153,6 +162,16 @@ def _check_same_structure(updates: Any, params: Any) -> None:
         f"{struct_p}\nDifferentiate with respect to the same params you pass "
         "to update (e.g. jaxmp.scaled_value_and_grad(loss_fn, loss_scale)(params))."
     )
+  for (path, u), p in zip(jax.tree_util.tree_leaves_with_path(updates),
+                          jax.tree_util.tree_leaves(params)):
+    u_shape, p_shape = getattr(u, "shape", None), getattr(p, "shape", None)
+    if u_shape is not None and p_shape is not None and tuple(u_shape) != tuple(p_shape):
+      raise ValueError(
+          "The gradients passed to jaxmp.loss_scaling's update do not have the "
+          f"shapes of the params: at {jax.tree_util.keystr(path)} the gradient "
+          f"has shape {tuple(u_shape)} and the param {tuple(p_shape)}. "
+          "Differentiate with respect to the same params you pass to update."
+      )
 
 
 def _find_states(tree: Any) -> list[LossScalingState]:
@@ -286,6 +305,14 @@ def check_loss_scale(x: Any, *, max_overflows_at_min: int = 0) -> None:
     ...   print(str(e).splitlines()[0])
     Current loss scale already at minimum (1.0): 1 overflow(s) at the minimum scale.
   """
+  if (isinstance(max_overflows_at_min, (bool, np.bool_))
+      or not isinstance(max_overflows_at_min, (int, np.integer))
+      or max_overflows_at_min < 0):
+    raise ValueError(
+        "check_loss_scale: max_overflows_at_min must be an integer >= 0 (the "
+        "number of overflows at the minimum scale to tolerate), got "
+        f"{max_overflows_at_min!r}."
+    )
   if isinstance(x, dict) and "overflows_at_min" in x:
     metrics = x
   elif isinstance(x, LossScale):
@@ -358,6 +385,11 @@ def scaled_value_and_grad(
       loss, aux = out
     else:
       loss, aux = out, None
+    if np.shape(loss) != ():
+      raise TypeError(
+          "scaled_value_and_grad expects fun to return a scalar loss, got shape "
+          f"{np.shape(loss)}. Reduce it first, e.g. with jnp.mean(...)."
+      )
     return loss_scale.scale(loss), (loss, aux)
 
   grad_fn = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)

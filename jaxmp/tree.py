@@ -40,7 +40,7 @@ def select_tree(pred: Any, a: T, b: T) -> T:
 
   Raises:
     TypeError: if ``pred`` is not a scalar boolean.
-    ValueError: if ``a`` and ``b`` do not have the same structure.
+    ValueError: if ``a`` and ``b`` do not have the same structure and shapes.
 
   Example:
     >>> import jax.numpy as jnp, jaxmp
@@ -61,4 +61,12 @@ def select_tree(pred: Any, a: T, b: T) -> T:
         "select_tree expects two pytrees of the same structure, got "
         f"{struct_a} and {struct_b}."
     )
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a),
+                          jax.tree_util.tree_leaves(b)):
+    if jnp.shape(x) != jnp.shape(y):
+      raise ValueError(
+          f"select_tree: the leaves at {jax.tree_util.keystr(path)} have shapes "
+          f"{jnp.shape(x)} and {jnp.shape(y)}. Pass two pytrees of the same "
+          "shapes, e.g. the new and the old value of the same state."
+      )
   return jax.tree_util.tree_map(lambda x, y: jnp.where(pred, x, y), a, b)
