@@ -22,6 +22,7 @@ import textwrap
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -561,3 +562,41 @@ def test_long_runs(loss_scale, sites, seed, pattern, rate):
   else:
     inject = periodic_pattern(SLOW_STEPS, int(round(1 / rate)), seed % 7)
   check_run(loss_scale, Plan(inject, seed, sites), init_params(seed % 5))
+
+
+# ---------------------------------------------------------------------------
+# No host synchronisation, no branch, no retrace: whatever the step's outcome.
+
+
+def primitive_names(jaxpr):
+  names = set()
+  for eqn in jaxpr.eqns:
+    names.add(eqn.primitive.name)
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      names |= primitive_names(sub)
+  return names
+
+
+def test_a_faulty_step_never_syncs_branches_or_retraces():
+  loss_scale = CONFIGS["deepspeed-like"]
+  params = init_params(4)
+  opt_state = jaxmp.loss_scaling(inner_optimizer(), loss_scale).init(params)
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(params, opt_state, x, y, inject, site, value, element):
+    params, opt_state = faulty_step(params, opt_state, x, y, inject, site, value, element)
+    return params, opt_state, jaxmp.loss_scaling_metrics(opt_state)
+
+  plan = Plan(random_pattern(40, 0.5, 9), 9)
+  args = lambda i: (DATA[0][i], DATA[1][i], plan.inject[i], plan.site[i],
+                    plan.value[i], plan.element[i])
+  names = primitive_names(jax.make_jaxpr(step)(params, opt_state, *args(0)).jaxpr)
+  assert not names & {"cond", "while", "pure_callback", "io_callback", "debug_callback"}
+  device_args = [jax.device_put(args(i)) for i in range(40)]
+  step(params, opt_state, *device_args[0])  # compiled outside the guard
+  with jax.transfer_guard("disallow"):
+    for i in range(40):
+      params, opt_state, metrics = step(params, opt_state, *device_args[i])
+  assert int(metrics["skipped_steps"]) == plan.n_injected > 0
+  assert float(metrics["loss_scale"]) != float(loss_scale.loss_scale)
