@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import jaxmp
@@ -272,6 +272,8 @@ SEEDS = st.integers(0, 2**16)
 @PATTERNS
 @given(config=CONFIG_NAMES, sites=SITES, seed=SEEDS,
        rate=st.sampled_from([0.001, 0.01, 0.1, 0.5]))
+@example(config="jmp-like", sites="mixed", seed=1, rate=0.5)  # the extremes
+@example(config="non-binary", sites="leaf", seed=2, rate=0.001)
 def test_random_faults(config, sites, seed, rate):
   plan = Plan(random_pattern(STEPS, rate, seed), seed, sites)
   check_run(CONFIGS[config], plan, init_params(seed % 5))
@@ -280,6 +282,7 @@ def test_random_faults(config, sites, seed, rate):
 @PATTERNS
 @given(config=CONFIG_NAMES, sites=SITES, seed=SEEDS,
        n_bursts=st.integers(1, 4), length=st.sampled_from([2, 10, 40]))
+@example(config="deepspeed-like", sites="loss", seed=3, n_bursts=4, length=40)
 def test_burst_faults(config, sites, seed, n_bursts, length):
   loss_scale = CONFIGS[config]
   tail = loss_scale.period * (backoffs_to_recover(loss_scale, length) + 1)
@@ -292,6 +295,7 @@ def test_burst_faults(config, sites, seed, n_bursts, length):
 @PATTERNS
 @given(config=CONFIG_NAMES, sites=SITES, seed=SEEDS,
        every=st.sampled_from([2, 7, 100, 1000]))
+@example(config="jmp-like", sites="leaf", seed=4, every=2)
 def test_periodic_faults(config, sites, seed, every):
   plan = Plan(periodic_pattern(STEPS, every, seed % every), seed, sites)
   check_run(CONFIGS[config], plan, init_params(seed % 5))
