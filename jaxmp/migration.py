@@ -405,9 +405,11 @@ def from_torch_grad_scaler(
   ``2**31 - 1`` steps (:data:`NEVER_GROW_PERIOD`), which no run reaches.
   ``enabled=False`` gives :class:`jaxmp.NoOpLossScale`.
 
-  One difference: backends that flush float32 subnormals to zero (the CPU)
-  take a scale below ``2**-126`` to 0, where PyTorch walks through the
-  subnormals first.
+  One difference: the scale never backs off below ``2**-126``, the smallest
+  normal float32 (backends such as the CPU flush smaller values to 0, after
+  which no step could succeed); PyTorch walks on through the subnormals.
+  Overflows at that floor are counted, so :func:`jaxmp.check_loss_scale`
+  raises there.
 
   Args:
     init_scale: the initial scale.
