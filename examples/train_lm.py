@@ -531,45 +531,82 @@ def summary_table(results: Sequence[dict[str, Any]]) -> str:
   return "\n".join(lines)
 
 
+def _smooth(values, window: int):
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  values = np.asarray(values, dtype=np.float64)
+  return np.convolve(values, np.ones(window) / window, mode="valid")
+
+
 def plot(results: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
-  """Loss curves of every policy; the float16 loss scale with skipped steps."""
+  """Loss curves of every policy; the float16 loss scale with skipped steps.
+
+  Panels: the train loss (a running mean over 10 steps) and the validation
+  loss; when float32 ran too, each policy's train loss minus float32's (so
+  that curves hidden under each other show); the loss scale of the runs that
+  use loss scaling, with the skipped steps marked.
+  """
   import matplotlib  # pylint: disable=import-outside-toplevel
 
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
 
+  styles = {"float32": "-", "mixed_bfloat16": "--", "mixed_float16": ":"}
+  reference = next((r for r in results if r["policy"] == "float32"), None)
+  others = [r for r in results if r is not reference] if reference else []
   scaled = [r for r in results if r["loss_scaling"]]
-  rows = 2 if scaled else 1
-  fig, axes = plt.subplots(rows, 1, figsize=(8, 3.2 * rows + 0.6), sharex=True,
-                           squeeze=False)
-  ax = axes[0, 0]
+  panels = ["loss"] + (["difference"] if others else []) + (["scale"] if scaled else [])
+  heights = {"loss": 3.2, "difference": 1.8, "scale": 2.4}
+  fig, axes = plt.subplots(
+      len(panels), 1, sharex=True, squeeze=False,
+      figsize=(8, sum(heights[p] for p in panels) + 0.6),
+      gridspec_kw={"height_ratios": [heights[p] for p in panels]})
+  axes = dict(zip(panels, axes[:, 0]))
+  n_steps = len(results[0]["train"]["loss"])
+  window = max(1, min(10, n_steps // 10))
+  steps = np.arange(1, n_steps + 1)[window - 1:]
+
+  ax = axes["loss"]
   for r in results:
-    loss = np.asarray(r["train"]["loss"])
-    steps = np.arange(1, len(loss) + 1)
-    window = max(1, min(10, len(loss) // 10))
-    smooth = np.convolve(loss, np.ones(window) / window, mode="valid")
-    (line,) = ax.plot(steps[window - 1:], smooth, label=f"{r['policy']} (train)")
-    ax.plot(r["validation"]["step"], r["validation"]["loss"], "o--",
-            color=line.get_color(), markersize=4, linewidth=1,
-            label=f"{r['policy']} (validation)")
-  ax.set_ylabel("cross entropy (nats/byte)")
+    style = styles.get(r["policy"], "-.")
+    (line,) = ax.plot(steps, _smooth(r["train"]["loss"], window), style,
+                      linewidth=1.6, label=f"{r['policy']} train")
+    ax.plot(r["validation"]["step"], r["validation"]["loss"], "o",
+            color=line.get_color(), markersize=4,
+            label=f"{r['policy']} validation")
+  ax.set_ylabel("cross entropy\n(nats/byte)")
   ax.set_title("Byte-level transformer LM: float32 vs mixed precision")
-  ax.legend(fontsize=8)
+  ax.legend(fontsize=8, ncol=2)
   ax.grid(alpha=0.3)
-  for i, r in enumerate(scaled):
-    ax = axes[1, 0]
+
+  if others:
+    ax = axes["difference"]
+    base = _smooth(reference["train"]["loss"], window)
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    for r in others:
+      color = f"C{results.index(r)}"
+      ax.plot(steps, _smooth(r["train"]["loss"], window) - base,
+              styles.get(r["policy"], "-."), color=color,
+              label=f"{r['policy']} - float32")
+    ax.set_ylabel("train loss\nminus float32")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+
+  for r in scaled:
+    ax = axes["scale"]
     used = np.asarray(r["train"]["loss_scale"])
-    steps = np.arange(1, len(used) + 1)
-    ax.step(steps, used, where="post", label=f"{r['policy']} loss scale")
+    all_steps = np.arange(1, len(used) + 1)
+    ax.step(all_steps, used, where="post", color=f"C{results.index(r)}",
+            label=f"{r['policy']} loss scale (used by each step)")
     skipped = np.flatnonzero(np.asarray(r["train"]["skipped"]))
-    ax.plot(steps[skipped], used[skipped], "x", color="red",
-            label=f"skipped steps ({len(skipped)})" if i == 0 else None)
+    ax.plot(all_steps[skipped], used[skipped], "x", color="red",
+            label=f"skipped steps ({len(skipped)})")
     ax.set_yscale("log", base=2)
     ax.set_ylabel("loss scale")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-  axes[-1, 0].set_xlabel("step")
+  axes[panels[-1]].set_xlabel("step")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
