@@ -71,6 +71,7 @@ __all__ = [
     "scaled_value_and_grad",
     "check_loss_scale",
     "LossScaleAtMinimumError",
+    "multi_steps",
     # Distributed training.
     "opt_state_shardings",
     # Migration.
