@@ -39,7 +39,8 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +53,7 @@ import jaxmp
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
-import train_lm  # pylint: disable=wrong-import-position  # noqa: E402
+import train_lm  # pylint: disable=wrong-import-position
 
 INITIAL_SCALE = 2.0**15
 PERIOD = 2000

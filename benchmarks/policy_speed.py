@@ -34,8 +34,8 @@ import jaxmp
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "examples"))
-import overhead  # pylint: disable=wrong-import-position  # noqa: E402
-import train_lm  # pylint: disable=wrong-import-position  # noqa: E402
+import overhead  # pylint: disable=wrong-import-position
+import train_lm  # pylint: disable=wrong-import-position
 
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 

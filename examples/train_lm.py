@@ -36,7 +36,8 @@ import platform
 import sys
 import sysconfig
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 COMPARED_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 VALIDATION_FRACTION = 0.05
@@ -355,8 +356,9 @@ def make_optimizer(config: Config, policy):
   scale (bfloat16 has float32's range), so that every policy runs the same
   guarded step and reports the same metrics.
   """
-  import jaxmp  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
+
+  import jaxmp  # pylint: disable=import-outside-toplevel
 
   warmup = max(1, min(100, config.steps // 10))
   schedule = optax.warmup_cosine_decay_schedule(
@@ -375,8 +377,9 @@ def make_optimizer(config: Config, policy):
 def make_train_step(loss_fn, tx):
   """One guarded step: scaled gradients, update or skip, adjust the scale."""
   import jax  # pylint: disable=import-outside-toplevel
-  import jaxmp  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
+
+  import jaxmp  # pylint: disable=import-outside-toplevel
 
   def train_step(params, opt_state, batch):
     loss_scale = jaxmp.get_loss_scale(opt_state)
@@ -644,8 +647,8 @@ def run(argv: Sequence[str] | None = None) -> pathlib.Path:
   print(summary_table(results))
   metrics = {
       "config": dataclasses.asdict(config),
-      "data": {"source": source, "train_bytes": int(len(train_text)),
-               "validation_bytes": int(len(val_text))},
+      "data": {"source": source, "train_bytes": len(train_text),
+               "validation_bytes": len(val_text)},
       "machine": machine_description(),
       "results": results,
   }

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import policy_speed  # noqa: E402  pylint: disable=wrong-import-position
+import policy_speed
 
 VARIANTS = ["unguarded", "jaxmp", "jmp manual", "optax.apply_if_finite",
             "flax DynamicScale"]

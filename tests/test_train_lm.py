@@ -11,7 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_lm.py"
 sys.path.insert(0, str(ROOT / "examples"))
-import train_lm  # noqa: E402  pylint: disable=wrong-import-position
+import train_lm
 
 TINY = ["--steps", "12", "--d-model", "32", "--layers", "1", "--heads", "2",
         "--seq-len", "32", "--batch-size", "8", "--eval-every", "6",
