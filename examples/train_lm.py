@@ -579,7 +579,8 @@ def plot(results: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
             color=line.get_color(), markersize=4,
             label=f"{r['policy']} validation")
   ax.set_ylabel("cross entropy\n(nats/byte)")
-  ax.set_title("Byte-level transformer LM: float32 vs mixed precision")
+  ax.set_title("Byte-level transformer LM: "
+               + " vs ".join(r["policy"] for r in results))
   ax.legend(fontsize=8, ncol=2)
   ax.grid(alpha=0.3)
 
