@@ -37,6 +37,12 @@ OPTIMIZERS = {
     "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adam)(
         learning_rate=1e-2),
     "trace": lambda: optax.sgd(1e-2, momentum=0.9),
+    "lion": lambda: optax.lion(1e-3),
+    "adafactor": lambda: optax.adafactor(1e-2),
+    "lamb": lambda: optax.lamb(1e-2),
+    # Control flow inside the inner update: lax.cond and a schedule of k.
+    "multisteps_inside": lambda: optax.MultiSteps(optax.adam(1e-2), 2).gradient_transformation(),
+    "apply_if_finite_inside": lambda: optax.apply_if_finite(optax.adam(1e-2), 3),
     "odd_state": _with_odd_state,
 }
 
