@@ -32,10 +32,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.metadata
 import json
-import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -278,16 +277,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def machine_description() -> dict[str, Any]:
-  device = jax.devices()[0]
+  """The demo's description of the machine, plus the peers' versions."""
   return {
-      "platform": device.platform,
-      "device_kind": device.device_kind,
-      "cpu_count": os.cpu_count(),
-      "python": platform.python_version(),
-      "jax": jax.__version__,
-      "optax": optax.__version__,
-      "flax": __import__("flax").__version__,
-      "jmp": getattr(jmp, "__version__", "0.0.4"),
+      **train_lm.machine_description(),
+      **{name: importlib.metadata.version(name) for name in ("optax", "flax", "jmp")},
   }
 
 
