@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Iterable, Mapping, TypeVar
+from typing import Any, Callable, Iterable, Mapping, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +62,65 @@ def is_floating_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
       x.dtype, jnp.floating
   )
+
+
+def check_pattern(owner: str, pattern: str) -> None:
+  """Raises a ValueError naming ``owner`` if ``pattern`` is not a valid regex."""
+  try:
+    re.compile(pattern)
+  except re.error as e:
+    raise ValueError(
+        f"{owner}: {pattern!r} is not a valid regular expression: {e}."
+    ) from None
+
+
+def _check_pattern(pattern: Any) -> None:
+  if not isinstance(pattern, str):
+    raise TypeError(
+        f"PathPolicy patterns must be regular-expression strings, got "
+        f"{pattern!r} of type {type(pattern).__name__}."
+    )
+  check_pattern("PathPolicy", pattern)
+
+
+def check_rules(
+    owner: str,
+    rules: Mapping[Any, Any] | Iterable[tuple[Any, Any]],
+    check_key: Callable[[Any], None],
+    *,
+    key_word: str,
+    key_description: str,
+    key_repr: Callable[[Any], str] = repr,
+) -> tuple[tuple[Any, Policy], ...]:
+  """Validates ``{key: policy spec}`` rules; returns ``((key, Policy), ...)``.
+
+  Shared by :class:`PathPolicy` and :class:`jaxmp.flax.ModulePolicy`: each key
+  is checked by ``check_key``, given once, and each spec parsed by
+  :func:`jaxmp.get_policy`; errors name ``owner`` and the offending key.
+  """
+  items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+  checked = []
+  seen = set()
+  for item in items:
+    if not (isinstance(item, tuple) and len(item) == 2):
+      raise TypeError(
+          f"{owner} rules must be a dict {{{key_description}: policy}} or a "
+          f"list of ({key_word}, policy) pairs; got the item {item!r}."
+      )
+    key, spec = item
+    check_key(key)
+    if key in seen:
+      raise ValueError(
+          f"{owner}: the {key_word} {key_repr(key)} is given twice; give each "
+          f"{key_word} once."
+      )
+    seen.add(key)
+    try:
+      policy = get_policy(spec)
+    except (ValueError, TypeError) as e:
+      raise type(e)(f"{owner}, {key_word} {key_repr(key)}: {e}") from None
+    checked.append((key, policy))
+  return tuple(checked)
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -126,39 +185,9 @@ class PathPolicy:
       *,
       first_match: bool = False,
   ):
-    items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
-    checked = []
-    seen = set()
-    for item in items:
-      if not (isinstance(item, tuple) and len(item) == 2):
-        raise TypeError(
-            "PathPolicy rules must be a dict {pattern: policy} or a list of "
-            f"(pattern, policy) pairs; got the item {item!r}."
-        )
-      pattern, spec = item
-      if not isinstance(pattern, str):
-        raise TypeError(
-            f"PathPolicy patterns must be regular-expression strings, got "
-            f"{pattern!r} of type {type(pattern).__name__}."
-        )
-      if pattern in seen:
-        raise ValueError(
-            f"PathPolicy: the pattern {pattern!r} is given twice; give each "
-            "pattern once."
-        )
-      seen.add(pattern)
-      try:
-        re.compile(pattern)
-      except re.error as e:
-        raise ValueError(
-            f"PathPolicy: {pattern!r} is not a valid regular expression: {e}."
-        ) from None
-      try:
-        policy = get_policy(spec)
-      except (ValueError, TypeError) as e:
-        raise type(e)(f"PathPolicy, pattern {pattern!r}: {e}") from None
-      checked.append((pattern, policy))
-    object.__setattr__(self, "rules", tuple(checked))
+    object.__setattr__(self, "rules", check_rules(
+        "PathPolicy", rules, _check_pattern, key_word="pattern",
+        key_description="pattern"))
     object.__setattr__(
         self, "default", None if default is None else get_policy(default)
     )

@@ -21,7 +21,7 @@ import jax
 from flax import struct
 from flax.core import meta
 
-from jaxmp.path_policy import is_floating_array
+from jaxmp.path_policy import check_pattern, check_rules, is_floating_array
 from jaxmp.policy import Policy, get_policy
 
 # The policies of the Linen module methods now running, innermost last.
@@ -73,6 +73,17 @@ def _box_params(params: Any) -> Any:
   return jax.tree_util.tree_map(
       box, params, is_leaf=lambda x: isinstance(x, meta.AxisMetadata)
   )
+
+
+def _check_key(key: Any) -> None:
+  if isinstance(key, str):
+    check_pattern("ModulePolicy", key)
+  elif not isinstance(key, type):
+    raise TypeError(
+        "ModulePolicy keys must be module classes (e.g. nn.LayerNorm) or "
+        "strings matching a module's name or path (e.g. 'head', "
+        f"'Encoder_0/Dense_1'); got {key!r} of type {type(key).__name__}."
+    )
 
 
 def _key_repr(key: Any) -> str:
@@ -155,42 +166,13 @@ class ModulePolicy:
       *,
       first_match: bool = False,
   ):
-    items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
-    checked = []
-    seen = set()
-    for item in items:
-      if not (isinstance(item, tuple) and len(item) == 2):
-        raise TypeError(
-            "ModulePolicy rules must be a dict {module class or name pattern: "
-            f"policy}} or a list of pairs; got the item {item!r}."
-        )
-      key, spec = item
-      if isinstance(key, str):
-        try:
-          re.compile(key)
-        except re.error as e:
-          raise ValueError(
-              f"ModulePolicy: {key!r} is not a valid regular expression: {e}."
-          ) from None
-      elif not isinstance(key, type):
-        raise TypeError(
-            "ModulePolicy keys must be module classes (e.g. nn.LayerNorm) or "
-            "strings matching a module's name or path (e.g. 'head', "
-            f"'Encoder_0/Dense_1'); got {key!r} of type {type(key).__name__}."
-        )
-      if key in seen:
-        raise ValueError(f"ModulePolicy: the key {_key_repr(key)} is given twice.")
-      seen.add(key)
-      try:
-        policy = get_policy(spec)
-      except (ValueError, TypeError) as e:
-        raise type(e)(f"ModulePolicy, key {_key_repr(key)}: {e}") from None
-      checked.append((key, policy))
+    object.__setattr__(self, "rules", check_rules(
+        "ModulePolicy", rules, _check_key, key_word="key",
+        key_description="module class or name pattern", key_repr=_key_repr))
     if not isinstance(first_match, bool):
       raise TypeError(
           f"ModulePolicy: first_match must be a bool, got {first_match!r}."
       )
-    object.__setattr__(self, "rules", tuple(checked))
     object.__setattr__(
         self, "default", None if default is None else get_policy(default)
     )
