@@ -325,18 +325,33 @@ def markdown(results: dict[str, Any]) -> str:
   return "\n".join(lines) + "\n"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def model_parser(doc: str, rounds: int) -> argparse.ArgumentParser:
+  """The flags both benchmarks share: the model's size and the rounds."""
   parser = argparse.ArgumentParser(
-      description=__doc__.split("\n\n")[0],
+      description=doc.split("\n\n")[0],
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--d-model", type=int, default=256)
   parser.add_argument("--layers", type=int, default=5)
   parser.add_argument("--heads", type=int, default=4)
   parser.add_argument("--seq-len", type=int, default=128)
   parser.add_argument("--batch-size", type=int, default=8)
-  parser.add_argument("--rounds", type=int, default=15)
+  parser.add_argument("--rounds", type=int, default=rounds)
   parser.add_argument("--steps-per-round", type=int, default=5)
   parser.add_argument("--warmup-steps", type=int, default=2)
+  return parser
+
+
+def write_results(out: str, name: str, results: dict[str, Any], table: str) -> None:
+  """Writes ``name.json`` and ``name.md`` into ``out`` and prints the table."""
+  path = pathlib.Path(out)
+  path.mkdir(parents=True, exist_ok=True)
+  (path / f"{name}.json").write_text(json.dumps(results, indent=1))
+  (path / f"{name}.md").write_text(table)
+  print(table)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = model_parser(__doc__, rounds=15)
   parser.add_argument("--compile-repeats", type=int, default=5)
   parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
                       help="directory for overhead.md and overhead.json")
@@ -346,12 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   results = measure(args)
-  out = pathlib.Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "overhead.json").write_text(json.dumps(results, indent=1))
-  table = markdown(results)
-  (out / "overhead.md").write_text(table)
-  print(table)
+  write_results(args.out, "overhead", results, markdown(results))
   return 0
 
 

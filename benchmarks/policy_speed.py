@@ -18,7 +18,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 import sys
@@ -140,17 +139,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(
-      description=__doc__.split("\n\n")[0],
-      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  parser.add_argument("--d-model", type=int, default=256)
-  parser.add_argument("--layers", type=int, default=5)
-  parser.add_argument("--heads", type=int, default=4)
-  parser.add_argument("--seq-len", type=int, default=128)
-  parser.add_argument("--batch-size", type=int, default=8)
-  parser.add_argument("--rounds", type=int, default=10)
-  parser.add_argument("--steps-per-round", type=int, default=5)
-  parser.add_argument("--warmup-steps", type=int, default=2)
+  parser = overhead.model_parser(__doc__, rounds=10)
   parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
                       help="directory for policy_speed.md and policy_speed.json")
   return parser
@@ -159,12 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   results = measure(args)
-  out = pathlib.Path(args.out)
-  out.mkdir(parents=True, exist_ok=True)
-  (out / "policy_speed.json").write_text(json.dumps(results, indent=1))
-  table = markdown(results)
-  (out / "policy_speed.md").write_text(table)
-  print(table)
+  overhead.write_results(args.out, "policy_speed", results, markdown(results))
   return 0
 
 

@@ -83,6 +83,16 @@ def _check_pattern(pattern: Any) -> None:
   check_pattern("PathPolicy", pattern)
 
 
+def rules_need_loss_scaling(
+    rules: tuple[tuple[Any, Policy], ...], default: Policy | None
+) -> bool:
+  """True when any policy of ``rules`` or ``default`` needs loss scaling."""
+  policies = [policy for _, policy in rules]
+  if default is not None:
+    policies.append(default)
+  return any(policy.needs_loss_scaling for policy in policies)
+
+
 def check_rules(
     owner: str,
     rules: Mapping[Any, Any] | Iterable[tuple[Any, Any]],
@@ -284,10 +294,7 @@ class PathPolicy:
   @property
   def needs_loss_scaling(self) -> bool:
     """True when any of the policies (default included) needs loss scaling."""
-    policies = [p for _, p in self.rules]
-    if self.default is not None:
-      policies.append(self.default)
-    return any(p.needs_loss_scaling for p in policies)
+    return rules_need_loss_scaling(self.rules, self.default)
 
   def __str__(self) -> str:
     rules = ", ".join(f"{p!r}: {pol}" for p, pol in self.rules)

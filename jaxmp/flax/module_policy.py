@@ -21,7 +21,12 @@ import jax
 from flax import struct
 from flax.core import meta
 
-from jaxmp.path_policy import check_pattern, check_rules, is_floating_array
+from jaxmp.path_policy import (
+    check_pattern,
+    check_rules,
+    is_floating_array,
+    rules_need_loss_scaling,
+)
 from jaxmp.policy import Policy, get_policy
 
 # The policies of the Linen module methods now running, innermost last.
@@ -214,10 +219,7 @@ class ModulePolicy:
   @property
   def needs_loss_scaling(self) -> bool:
     """True when any of the policies (default included) needs loss scaling."""
-    policies = [p for _, p in self.rules]
-    if self.default is not None:
-      policies.append(self.default)
-    return any(p.needs_loss_scaling for p in policies)
+    return rules_need_loss_scaling(self.rules, self.default)
 
   # Linen.
 
