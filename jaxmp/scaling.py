@@ -367,11 +367,32 @@ def scaled_value_and_grad(
     >>> float(loss), grads
     (5.0, Array([ 8., 16.], dtype=float32))
   """
+  return scale_then_differentiate(
+      jax.value_and_grad, fun, loss_scale, argnums=argnums, has_aux=has_aux,
+      caller="scaled_value_and_grad",
+      state_hint="With an optimizer state, pass jaxmp.get_loss_scale(opt_state).")
+
+
+def scale_then_differentiate(
+    value_and_grad: Callable[..., Any],
+    fun: Callable[..., Any],
+    loss_scale: LossScale,
+    *,
+    argnums: int | Sequence[int],
+    has_aux: bool,
+    caller: str,
+    state_hint: str,
+) -> Callable[..., Any]:
+  """``value_and_grad`` (JAX's or NNX's) of ``loss_scale.scale(fun(...))``.
+
+  Returns the unscaled loss (with aux when ``has_aux``) and the gradients of
+  the scaled loss. Shared by :func:`scaled_value_and_grad` and
+  :func:`jaxmp.flax.nnx_scaled_value_and_grad`; errors name ``caller``.
+  """
   if not isinstance(loss_scale, LossScale):
     raise TypeError(
-        "scaled_value_and_grad expects a loss scale as its second argument, "
-        f"got a {type(loss_scale).__name__}. With an optimizer state, pass "
-        "jaxmp.get_loss_scale(opt_state)."
+        f"{caller} expects a loss scale as its second argument, got a "
+        f"{type(loss_scale).__name__}. {state_hint}"
     )
 
   def scaled(*args, **kwargs):
@@ -379,26 +400,26 @@ def scaled_value_and_grad(
     if has_aux:
       if not (isinstance(out, tuple) and len(out) == 2):
         raise TypeError(
-            "scaled_value_and_grad(has_aux=True) expects fun to return a pair "
-            f"(loss, aux); got {type(out).__name__}."
+            f"{caller}(has_aux=True) expects fun to return a pair (loss, aux); "
+            f"got {type(out).__name__}."
         )
       loss, aux = out
     else:
       loss, aux = out, None
     if np.shape(loss) != ():
       raise TypeError(
-          "scaled_value_and_grad expects fun to return a scalar loss, got shape "
+          f"{caller} expects fun to return a scalar loss, got shape "
           f"{np.shape(loss)}. Reduce it first, e.g. with jnp.mean(...)."
       )
     return loss_scale.scale(loss), (loss, aux)
 
-  grad_fn = jax.value_and_grad(scaled, argnums=argnums, has_aux=True)
+  grad_fn = value_and_grad(scaled, argnums=argnums, has_aux=True)
 
-  def value_and_grad(*args, **kwargs):
+  def scaled_value_and_grad_fn(*args, **kwargs):
     (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
     return ((loss, aux) if has_aux else loss), grads
 
-  return value_and_grad
+  return scaled_value_and_grad_fn
 
 
 __all__ = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from jaxmp.loss_scale import LossScale
+from jaxmp.scaling import scale_then_differentiate
 
 
 def nnx_scaled_value_and_grad(
@@ -58,33 +59,11 @@ def nnx_scaled_value_and_grad(
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  if not isinstance(loss_scale, LossScale):
-    raise TypeError(
-        "nnx_scaled_value_and_grad expects a loss scale as its second "
-        f"argument, got a {type(loss_scale).__name__}. With an nnx.Optimizer, "
-        "pass jaxmp.get_loss_scale(optimizer.opt_state)."
-    )
-
-  def scaled(*args, **kwargs):
-    out = fun(*args, **kwargs)
-    if has_aux:
-      if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError(
-            "nnx_scaled_value_and_grad(has_aux=True) expects fun to return a "
-            f"pair (loss, aux); got {type(out).__name__}."
-        )
-      loss, aux = out
-    else:
-      loss, aux = out, None
-    return loss_scale.scale(loss), (loss, aux)
-
-  grad_fn = nnx.value_and_grad(scaled, argnums=argnums, has_aux=True)
-
-  def value_and_grad(*args, **kwargs):
-    (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
-    return ((loss, aux) if has_aux else loss), grads
-
-  return value_and_grad
+  return scale_then_differentiate(
+      nnx.value_and_grad, fun, loss_scale, argnums=argnums, has_aux=has_aux,
+      caller="nnx_scaled_value_and_grad",
+      state_hint="With an nnx.Optimizer, pass "
+      "jaxmp.get_loss_scale(optimizer.opt_state).")
 
 
 __all__ = ["nnx_scaled_value_and_grad"]
