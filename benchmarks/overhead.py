@@ -102,15 +102,19 @@ def make_variants(loss_fn, learning_rate: float = 1e-3) -> list[Variant]:
   def jmp_scale(scale, counter):
     return jmp.DynamicLossScale(scale, counter, period=PERIOD)
 
+  def jmp_grads(loss_scale, params, batch):
+    """The scaled loss and the unscaled gradients, as jmp's README does."""
+    scaled_loss, grads = jax.value_and_grad(
+        lambda p: loss_scale.scale(loss_fn(p, batch)))(params)
+    return scaled_loss, loss_scale.unscale(grads)
+
   def jmp_init(params):
     return params, plain.init(params), jnp.float32(INITIAL_SCALE), jnp.int32(0)
 
   def jmp_step(state, batch):
     params, opt_state, scale, counter = state
     loss_scale = jmp_scale(scale, counter)
-    scaled_loss, grads = jax.value_and_grad(
-        lambda p: loss_scale.scale(loss_fn(p, batch)))(params)
-    grads = loss_scale.unscale(grads)
+    scaled_loss, grads = jmp_grads(loss_scale, params, batch)
     finite = jmp.all_finite(grads)
     updates, new_opt_state = plain.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
@@ -129,9 +133,7 @@ def make_variants(loss_fn, learning_rate: float = 1e-3) -> list[Variant]:
   def if_finite_step(state, batch):
     params, opt_state, scale, counter = state
     loss_scale = jmp_scale(scale, counter)
-    scaled_loss, grads = jax.value_and_grad(
-        lambda p: loss_scale.scale(loss_fn(p, batch)))(params)
-    grads = loss_scale.unscale(grads)
+    scaled_loss, grads = jmp_grads(loss_scale, params, batch)
     updates, opt_state = if_finite.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     loss_scale = loss_scale.adjust(opt_state.last_finite)
