@@ -35,8 +35,10 @@ import functools
 import importlib.metadata
 import json
 import pathlib
+import re
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -204,6 +206,40 @@ def compiler_figures(compiled) -> dict[str, float]:
   }
 
 
+def dump_figures(step, state, batch) -> dict[str, int | None]:
+  """Peak live bytes and kernel count, read from XLA's dump of one compilation.
+
+  ``temp_bytes`` is the size of the one block XLA packs every temporary buffer
+  into, so it moves with how well the buffers happen to pack. The live-range
+  dump gives what must really be held at the worst moment: the sum of the
+  buffers live at the peak (arguments included). The number of kernel modules
+  XLA compiled (its ``*.ir-no-opt.ll`` files, one per distinct fused kernel on
+  the CPU) is, with their size, what the compile time grows with. Both are
+  deterministic.
+  """
+  jitted = jax.jit(lambda s, b: step(s, b), donate_argnums=(0,))
+  with tempfile.TemporaryDirectory() as tmp:
+    jitted.lower(state, batch).compile(compiler_options={"xla_dump_to": tmp})
+    dump = pathlib.Path(tmp)
+    live_ranges = sorted(dump.glob("*after_optimizations-live-range.txt"))
+    if len(live_ranges) != 1:
+      raise RuntimeError(
+          "benchmarks/overhead.py expected XLA to dump one live-range file for "
+          f"the train step, found {len(live_ranges)}. This JAX/XLA version dumps "
+          "other files; update dump_figures() to its format.")
+    text = live_ranges[0].read_text()
+    _, found, peak_section = text.partition("Live ranges at")
+    cumulative = [int(n) for n in re.findall(r"cumulative: (\d+) bytes", peak_section)]
+    if not found or not cumulative:
+      raise RuntimeError(
+          f"{live_ranges[0].name} has no 'Live ranges at ... (peak)' section; "
+          "update dump_figures() to this XLA version's dump format.")
+    kernels = len(list(dump.glob("*.ir-no-opt.ll")))
+  return {"peak_live_bytes": max(cumulative),
+          # Kernel modules are dumped as LLVM IR on the CPU only.
+          "kernels": kernels if jax.default_backend() == "cpu" else None}
+
+
 def copy_tree(tree):
   return jax.tree_util.tree_map(lambda x: x.copy(), tree)
 
@@ -233,6 +269,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
   for variant in variants:
     name = variant.name
     figures[name] = compiler_figures(compiled_steps[name])
+    figures[name].update(dump_figures(variant.step, states[name], batch))
     figures[name]["compile_seconds"] = statistics.median(cpu[name])
     figures[name]["compile_cpu_seconds_all"] = cpu[name]
     figures[name]["compile_wall_seconds_all"] = wall[name]
@@ -268,6 +305,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     ratios = [t / b for t, b in zip(step_seconds[name], base_times)]
     f["time_ratio"] = statistics.median(ratios)
     f["temp_ratio"] = f["temp_bytes"] / base["temp_bytes"]
+    f["peak_live_ratio"] = f["peak_live_bytes"] / base["peak_live_bytes"]
     f["bytes_accessed_ratio"] = f["bytes_accessed"] / base["bytes_accessed"]
     f["compile_ratio"] = f["compile_seconds"] / base["compile_seconds"]
   return {
@@ -286,29 +324,38 @@ def machine_description() -> dict[str, Any]:
   }
 
 
-def percent(ratio: float) -> str:
-  return f"{(ratio - 1) * 100:+.1f}%"
+def percent(ratio: float, digits: int = 1) -> str:
+  return f"{(ratio - 1) * 100:+.{digits}f}%"
 
 
 def markdown(results: dict[str, Any]) -> str:
   """The results as a Markdown table, with the set-up it ran on."""
   config, machine = results["config"], results["machine"]
   lines = [
-      "| variant | step time | temp memory | bytes accessed | compile time |",
-      "|---|---|---|---|---|",
+      "| variant | step time | temp memory | peak live memory | bytes accessed "
+      "| compile time | kernels |",
+      "|---|---|---|---|---|---|---|",
   ]
+  base = results["variants"]["unguarded"]
   for name, f in results["variants"].items():
+    kernels = "n/a" if f["kernels"] is None else (
+        f"{f['kernels']} ({f['kernels'] - base['kernels']:+d})")
     lines.append(
         f"| {name} | {f['time_ratio']:.3f}× | {percent(f['temp_ratio'])} | "
-        f"{percent(f['bytes_accessed_ratio'])} | {f['compile_ratio']:.2f}× |"
+        f"{percent(f['peak_live_ratio'], digits=3)} | "
+        f"{percent(f['bytes_accessed_ratio'])} | {f['compile_ratio']:.2f}× | "
+        f"{kernels} |"
     )
-  base = results["variants"]["unguarded"]
   lines += [
       "",
       f"Relative to the unguarded step: {base['step_seconds_median'] * 1e3:.1f} ms "
       f"per step, {base['temp_bytes'] / 2**20:.2f} MiB temp memory, "
-      f"{base['bytes_accessed'] / 2**20:.1f} MiB accessed, "
-      f"{base['compile_seconds']:.2f} CPU seconds to trace and compile.",
+      f"{base['peak_live_bytes'] / 2**20:.2f} MiB live at the peak (arguments "
+      f"included), {base['bytes_accessed'] / 2**20:.1f} MiB accessed, "
+      f"{base['compile_seconds']:.2f} CPU seconds to trace and compile. Temp "
+      "memory is XLA's packed block of temporaries; peak live memory is what is "
+      "held at the worst moment (XLA's live-range dump); kernels are the kernel "
+      "modules XLA compiled.",
       "",
       f"Model: {results['parameters']:,}-parameter byte-level transformer "
       f"(d_model {config['d_model']}, {config['layers']} layers, {config['heads']} "

@@ -39,10 +39,12 @@ def test_overhead_writes_its_table(overhead_run):
   table = (out / "overhead.md").read_text()
   assert table in proc.stdout
   assert table.startswith(
-      "| variant | step time | temp memory | bytes accessed | compile time |")
+      "| variant | step time | temp memory | peak live memory | bytes accessed "
+      "| compile time | kernels |")
   rows = [line.split("|")[1].strip() for line in table.splitlines()[2:7]]
   assert rows == VARIANTS
-  assert "| unguarded | 1.000× | +0.0% | +0.0% | 1.00× |" in table
+  assert "| unguarded | 1.000× | +0.0% | +0.000% | +0.0% | 1.00× | " in table
+  assert " (+0) |" in table.splitlines()[2]
   assert "CPU only" in table and "JAX " in table
 
 
@@ -54,6 +56,9 @@ def test_overhead_json(overhead_run):
   for figures in results["variants"].values():
     assert figures["temp_bytes"] > 0 and figures["bytes_accessed"] > 0
     assert figures["step_seconds_median"] > 0 and figures["compile_seconds"] > 0
+    # From XLA's dump: what is live at the peak includes the arguments.
+    assert figures["peak_live_bytes"] > figures["argument_bytes"]
+    assert isinstance(figures["kernels"], int) and figures["kernels"] > 0
 
 
 def test_jaxmp_costs_less_than_its_peers(overhead_run):
@@ -65,6 +70,13 @@ def test_jaxmp_costs_less_than_its_peers(overhead_run):
   for name in VARIANTS[2:]:
     assert ours["temp_bytes"] <= variants[name]["temp_bytes"], name
     assert ours["bytes_accessed"] < variants[name]["bytes_accessed"], name
+  # At the worst moment the guard holds nothing gradient- or state-sized more
+  # than the unguarded step: only the loss scale's few scalars.
+  assert 0 <= ours["peak_live_bytes"] - base["peak_live_bytes"] <= 256
+  # The check compiles to some kernels of its own, but fewer than the peers'.
+  assert ours["kernels"] > base["kernels"]
+  assert ours["kernels"] < variants["jmp manual"]["kernels"]
+  assert ours["kernels"] < variants["optax.apply_if_finite"]["kernels"]
 
 
 def test_policy_speed_table_says_cpu_only():
