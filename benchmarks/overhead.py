@@ -215,29 +215,33 @@ def dump_figures(step, state, batch) -> dict[str, int | None]:
   buffers live at the peak (arguments included). The number of kernel modules
   XLA compiled (its ``*.ir-no-opt.ll`` files, one per distinct fused kernel on
   the CPU) is, with their size, what the compile time grows with. Both are
-  deterministic.
+  deterministic. Other back ends write no LLVM modules (``kernels`` is None)
+  and may write no live-range file (``peak_live_bytes`` is None); the table
+  then says n/a.
   """
+  on_cpu = jax.default_backend() == "cpu"
   jitted = jax.jit(lambda s, b: step(s, b), donate_argnums=(0,))
   with tempfile.TemporaryDirectory() as tmp:
     jitted.lower(state, batch).compile(compiler_options={"xla_dump_to": tmp})
     dump = pathlib.Path(tmp)
     live_ranges = sorted(dump.glob("*after_optimizations-live-range.txt"))
+    # Kernel modules are dumped as LLVM IR by the CPU back end only.
+    kernels = len(list(dump.glob("*.ir-no-opt.ll"))) if on_cpu else None
+    if not live_ranges and not on_cpu:
+      return {"peak_live_bytes": None, "kernels": kernels}
     if len(live_ranges) != 1:
       raise RuntimeError(
           "benchmarks/overhead.py expected XLA to dump one live-range file for "
           f"the train step, found {len(live_ranges)}. This JAX/XLA version dumps "
           "other files; update dump_figures() to its format.")
     text = live_ranges[0].read_text()
-    _, found, peak_section = text.partition("Live ranges at")
-    cumulative = [int(n) for n in re.findall(r"cumulative: (\d+) bytes", peak_section)]
-    if not found or not cumulative:
-      raise RuntimeError(
-          f"{live_ranges[0].name} has no 'Live ranges at ... (peak)' section; "
-          "update dump_figures() to this XLA version's dump format.")
-    kernels = len(list(dump.glob("*.ir-no-opt.ll")))
-  return {"peak_live_bytes": max(cumulative),
-          # Kernel modules are dumped as LLVM IR on the CPU only.
-          "kernels": kernels if jax.default_backend() == "cpu" else None}
+  _, found, peak_section = text.partition("Live ranges at")
+  cumulative = [int(n) for n in re.findall(r"cumulative: (\d+) bytes", peak_section)]
+  if not found or not cumulative:
+    raise RuntimeError(
+        f"{live_ranges[0].name} has no 'Live ranges at ... (peak)' section; "
+        "update dump_figures() to this XLA version's dump format.")
+  return {"peak_live_bytes": max(cumulative), "kernels": kernels}
 
 
 def copy_tree(tree):
@@ -305,7 +309,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     ratios = [t / b for t, b in zip(step_seconds[name], base_times)]
     f["time_ratio"] = statistics.median(ratios)
     f["temp_ratio"] = f["temp_bytes"] / base["temp_bytes"]
-    f["peak_live_ratio"] = f["peak_live_bytes"] / base["peak_live_bytes"]
+    f["peak_live_ratio"] = (
+        None if base["peak_live_bytes"] is None
+        else f["peak_live_bytes"] / base["peak_live_bytes"])
     f["bytes_accessed_ratio"] = f["bytes_accessed"] / base["bytes_accessed"]
     f["compile_ratio"] = f["compile_seconds"] / base["compile_seconds"]
   return {
@@ -342,7 +348,7 @@ def markdown(results: dict[str, Any]) -> str:
         f"{f['kernels']} ({f['kernels'] - base['kernels']:+d})")
     lines.append(
         f"| {name} | {f['time_ratio']:.3f}× | {percent(f['temp_ratio'])} | "
-        f"{percent(f['peak_live_ratio'], digits=3)} | "
+        f"{'n/a' if f['peak_live_ratio'] is None else percent(f['peak_live_ratio'], digits=3)} | "
         f"{percent(f['bytes_accessed_ratio'])} | {f['compile_ratio']:.2f}× | "
         f"{kernels} |"
     )
@@ -350,8 +356,10 @@ def markdown(results: dict[str, Any]) -> str:
       "",
       f"Relative to the unguarded step: {base['step_seconds_median'] * 1e3:.1f} ms "
       f"per step, {base['temp_bytes'] / 2**20:.2f} MiB temp memory, "
-      f"{base['peak_live_bytes'] / 2**20:.2f} MiB live at the peak (arguments "
-      f"included), {base['bytes_accessed'] / 2**20:.1f} MiB accessed, "
+      + ("" if base["peak_live_bytes"] is None else
+         f"{base['peak_live_bytes'] / 2**20:.2f} MiB live at the peak (arguments "
+         "included), ")
+      + f"{base['bytes_accessed'] / 2**20:.1f} MiB accessed, "
       f"{base['compile_seconds']:.2f} CPU seconds to trace and compile. Temp "
       "memory is XLA's packed block of temporaries; peak live memory is what is "
       "held at the worst moment (XLA's live-range dump); kernels are the kernel "
@@ -368,8 +376,12 @@ def markdown(results: dict[str, Any]) -> str:
       f"Machine: {machine['platform']} ({machine['device_kind']}, "
       f"{machine['cpu_count']} cores), Python {machine['python']}, JAX "
       f"{machine['jax']}, optax {machine['optax']}, flax {machine['flax']}, "
-      f"jmp {machine['jmp']}. CPU only: no GPU was available; step times on a "
-      "shared machine are noisy (a few percent), the compiler figures are exact.",
+      f"jmp {machine['jmp']}. " + (
+          "CPU only: no GPU was available; step times on a shared machine are "
+          "noisy (a few percent), the compiler figures are exact."
+          if machine["platform"] == "cpu" else
+          f"Accelerator: {machine['device_kind']}; the compiler figures are "
+          "exact, step times vary by a few percent between runs."),
   ]
   return "\n".join(lines) + "\n"
 

@@ -93,3 +93,32 @@ def test_policy_speed_table_says_cpu_only():
   table = policy_speed.markdown(results)
   assert "| float32 (`p=f32,c=f32,o=f32`) | 1.00× | 1,000 | 1.0 MiB | 1024 MiB |" in table
   assert "CPU only" in table
+
+
+def test_overhead_table_names_an_accelerator():
+  import overhead  # pylint: disable=import-outside-toplevel
+
+  def figures(ratio, kernels):
+    return {"time_ratio": ratio, "temp_ratio": ratio, "peak_live_ratio": None,
+            "bytes_accessed_ratio": ratio, "compile_ratio": ratio,
+            "kernels": kernels, "step_seconds_median": 0.01,
+            "temp_bytes": 2**20, "peak_live_bytes": None,
+            "bytes_accessed": 2**30, "compile_seconds": 2.0}
+
+  results = {
+      "config": {"d_model": 8, "layers": 1, "heads": 1, "batch_size": 2,
+                 "seq_len": 4, "rounds": 1, "steps_per_round": 1,
+                 "compile_repeats": 1},
+      "parameters": 100,
+      "machine": {"platform": "gpu", "device_kind": "NVIDIA H200",
+                  "cpu_count": 16, "python": "3.11", "jax": "0.0",
+                  "optax": "0.0", "flax": "0.0", "jmp": "0.0"},
+      "variants": {"unguarded": figures(1.0, None),
+                   "jaxmp": figures(1.015, None)},
+  }
+  table = overhead.markdown(results)
+  # Kernel modules are counted from LLVM dumps, which only the CPU writes; a
+  # back end that dumps no live ranges has no peak live figure.
+  assert "| jaxmp | 1.015× | +1.5% | n/a | +1.5% | 1.01× | n/a |" in table
+  assert "live at the peak" not in table
+  assert "Accelerator: NVIDIA H200" in table and "CPU only" not in table
