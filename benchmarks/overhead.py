@@ -178,6 +178,11 @@ def bf16_loss_fn(args: argparse.Namespace):
   return train_lm.make_loss_fn(model, policy), params
 
 
+def jit_step(step):
+  """A fresh ``jit`` of ``step`` (no cache hit) with the state donated."""
+  return jax.jit(lambda s, b: step(s, b), donate_argnums=(0,))
+
+
 def compile_step(step, state, batch):
   """A fresh ``jit`` (no cache hit), lowered and compiled.
 
@@ -186,7 +191,7 @@ def compile_step(step, state, batch):
   seconds are what the table compares: other processes on a shared machine
   stretch the wall-clock time but hardly the CPU time.
   """
-  jitted = jax.jit(lambda s, b: step(s, b), donate_argnums=(0,))
+  jitted = jit_step(step)
   started, cpu_started = time.perf_counter(), time.process_time()
   compiled = jitted.lower(state, batch).compile()
   return (compiled, time.perf_counter() - started,
@@ -220,7 +225,7 @@ def dump_figures(step, state, batch) -> dict[str, int | None]:
   then says n/a.
   """
   on_cpu = jax.default_backend() == "cpu"
-  jitted = jax.jit(lambda s, b: step(s, b), donate_argnums=(0,))
+  jitted = jit_step(step)
   with tempfile.TemporaryDirectory() as tmp:
     jitted.lower(state, batch).compile(compiler_options={"xla_dump_to": tmp})
     dump = pathlib.Path(tmp)
@@ -344,11 +349,13 @@ def markdown(results: dict[str, Any]) -> str:
   ]
   base = results["variants"]["unguarded"]
   for name, f in results["variants"].items():
+    # Figures a back end does not dump are None (see dump_figures).
+    peak = ("n/a" if f["peak_live_ratio"] is None
+            else percent(f["peak_live_ratio"], digits=3))
     kernels = "n/a" if f["kernels"] is None else (
         f"{f['kernels']} ({f['kernels'] - base['kernels']:+d})")
     lines.append(
-        f"| {name} | {f['time_ratio']:.3f}× | {percent(f['temp_ratio'])} | "
-        f"{'n/a' if f['peak_live_ratio'] is None else percent(f['peak_live_ratio'], digits=3)} | "
+        f"| {name} | {f['time_ratio']:.3f}× | {percent(f['temp_ratio'])} | {peak} | "
         f"{percent(f['bytes_accessed_ratio'])} | {f['compile_ratio']:.2f}× | "
         f"{kernels} |"
     )
