@@ -5,9 +5,10 @@ gradients and skips non-finite steps without leaving the device. Flax pieces
 live in :mod:`jaxmp.flax`.
 """
 
-from jaxmp.accumulation import multi_steps
-from jaxmp.distributed import opt_state_shardings
-from jaxmp.diagnostics import (
+from jaxmp._src.accumulation import multi_steps
+from jaxmp._src.checks import LossScaleAtMinimumError, check_loss_scale
+from jaxmp._src.deepspeed import from_deepspeed_config
+from jaxmp._src.diagnostics import (
     dtype_headroom,
     finite_mask,
     grad_stats,
@@ -15,33 +16,34 @@ from jaxmp.diagnostics import (
     report_nonfinite,
     suggest_loss_scale,
 )
-from jaxmp.hardware import HardwareReport, auto_policy, hardware_report
-from jaxmp.loss_scale import (
+from jaxmp._src.hardware import HardwareReport, hardware_report
+from jaxmp._src.loss_scale import (
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
     StaticLossScale,
+    all_finite,
+    select_tree,
 )
-from jaxmp.migration import from_deepspeed_config, from_torch_grad_scaler
-from jaxmp.monitor import LossScaleMonitor
-from jaxmp.path_policy import PathPolicy
-from jaxmp.policy import (
+from jaxmp._src.loss_scaling import (
+    LossScalingState,
+    get_loss_scale,
+    loss_scaling,
+    loss_scaling_metrics,
+)
+from jaxmp._src.monitor import LossScaleMonitor
+from jaxmp._src.path_policy import PathPolicy
+from jaxmp._src.policy import (
     Policy,
+    auto_policy,
     cast_to_full,
     cast_to_half,
     get_policy,
     half_dtype,
 )
-from jaxmp.scaling import (
-    LossScaleAtMinimumError,
-    LossScalingState,
-    check_loss_scale,
-    get_loss_scale,
-    loss_scaling,
-    loss_scaling_metrics,
-    scaled_value_and_grad,
-)
-from jaxmp.tree import all_finite, select_tree
+from jaxmp._src.sharding import opt_state_shardings
+from jaxmp._src.torch_scaler import from_torch_grad_scaler
+from jaxmp._src.value_and_grad import scaled_value_and_grad
 
 __version__ = "0.1.0"
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from jaxmp.cli import main
+from jaxmp._src.cli import main
 
 if __name__ == "__main__":
   sys.exit(main())

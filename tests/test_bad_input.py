@@ -22,7 +22,7 @@ import pytest
 
 import jaxmp
 import jaxmp.flax
-from jaxmp import cli
+from jaxmp import __main__ as cli
 
 JAXMP_DIR = pathlib.Path(jaxmp.__file__).resolve().parent
 PARAMS = {"w": jnp.ones(2), "b": jnp.ones(1)}

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import jaxmp
-from jaxmp import cli
+from jaxmp import __main__ as cli
 
 GOOD_CONFIG = """\
 {
@@ -111,7 +111,3 @@ def test_unknown_subcommand():
   assert "Traceback" not in result.stderr
   errors = [line for line in result.stderr.splitlines() if "error" in line]
   assert len(errors) == 1 and "frobnicate" in errors[0]
-
-
-def test_convert_is_registered():
-  assert "convert" in cli.SUBCOMMANDS and "doctor" in cli.SUBCOMMANDS

@@ -1,4 +1,4 @@
-"""Tests of jaxmp.diagnostics: exact values on hand-built trees, jit and not."""
+"""Tests of the diagnostics: exact values on hand-built trees, jit and not."""
 
 import logging
 

@@ -547,7 +547,7 @@ def test_training_loop_stops_with_the_remedies_not_a_jax_traceback(tmp_path):
           "5 overflow(s) at the minimum scale.") in stderr
   frames = [line for line in stderr.splitlines() if line.startswith('  File "')]
   assert len(frames) == 2, stderr  # the loop, then check_loss_scale
-  assert str(script) in frames[0] and "scaling.py" in frames[1]
+  assert str(script) in frames[0] and "checks.py" in frames[1]
   assert "jax/_src" not in stderr and "jaxlib" not in stderr
 
 

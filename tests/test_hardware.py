@@ -1,4 +1,4 @@
-"""Tests of jaxmp.hardware: auto_policy and hardware_report."""
+"""Tests of hardware: auto_policy and hardware_report."""
 
 import dataclasses
 import json

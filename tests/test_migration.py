@@ -1,4 +1,4 @@
-"""Tests of jaxmp.migration: DeepSpeed configs, PyTorch GradScaler, jmp code.
+"""Tests of migration: DeepSpeed configs, PyTorch GradScaler, jmp code.
 
 The DeepSpeed and PyTorch rules are re-implemented here, independently and in
 plain Python, from DeepSpeed's ``DynamicLossScaler.update_scale`` and from
@@ -19,11 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxmp
-from jaxmp.migration import (
-    NEVER_GROW_PERIOD,
-    deepspeed_config_to_code,
-    load_deepspeed_config,
-)
+from jaxmp._src.codegen import deepspeed_config_to_code
+from jaxmp._src.deepspeed import load_deepspeed_config
+from jaxmp._src.torch_scaler import NEVER_GROW_PERIOD
 
 BLOG_CONFIG = """\
 {
@@ -600,7 +598,7 @@ def test_jmp_readme_float16_initial_scale_gets_a_clear_error():
 
 def test_json_dump_round_trip_of_defaults():
   # The defaults table mirrors DeepSpeed's documented fp16 block.
-  from jaxmp.migration import DEEPSPEED_FP16_DEFAULTS  # pylint: disable=g-import-not-at-top
+  from jaxmp._src.deepspeed import DEEPSPEED_FP16_DEFAULTS  # pylint: disable=g-import-not-at-top
   assert json.loads(json.dumps(DEEPSPEED_FP16_DEFAULTS)) == {
       "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
       "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1}

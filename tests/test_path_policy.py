@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jaxmp
-from jaxmp.path_policy import path_to_string
+from jaxmp._src.path_policy import path_to_string
 
 BF16 = np.dtype(jnp.bfloat16)
 F16 = np.dtype(jnp.float16)

@@ -1,4 +1,4 @@
-"""Tests of jaxmp.policy: the Policy, its casts and the string grammar."""
+"""Tests of policies: the Policy, its casts and the string grammar."""
 
 import jax
 import jax.numpy as jnp

@@ -10,14 +10,14 @@
   loss scale's configuration on resume.
 """
 
-from jaxmp.flax.checkpoint import (
+from jaxmp._src.flax.checkpoint import (
     loss_scale_config,
     restore_checkpoint,
     save_checkpoint,
 )
-from jaxmp.flax.module_policy import ModulePolicy
-from jaxmp.flax.nnx_training import nnx_scaled_value_and_grad
-from jaxmp.flax.train_state import TrainState
+from jaxmp._src.flax.module_policy import ModulePolicy
+from jaxmp._src.flax.nnx import nnx_scaled_value_and_grad
+from jaxmp._src.flax.train_state import TrainState
 
 __all__ = [
     "TrainState",

@@ -106,7 +106,7 @@ class LossScaleMonitor:
       ValueError: if ``step`` is not after the last recorded step, or ``x``
         holds no loss-scaling state.
     """
-    from jaxmp.scaling import loss_scaling_metrics  # pylint: disable=g-import-not-at-top
+    from jaxmp._src.loss_scaling import loss_scaling_metrics  # pylint: disable=g-import-not-at-top
 
     step = int(np.asarray(jax.device_get(step)))
     if self.records and step <= self.records[-1].step:
@@ -272,6 +272,3 @@ class LossScaleMonitor:
         f"LossScaleMonitor(every={self.every}, window={self.window}, "
         f"warn_rate={self.warn_rate}, records={len(self.records)})"
     )
-
-
-__all__ = ["LossScaleMonitor", "MonitorRecord"]

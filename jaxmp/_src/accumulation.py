@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmp.loss_scale import LossScale
-from jaxmp.scaling import loss_scaling
+from jaxmp._src.loss_scale import LossScale
+from jaxmp._src.loss_scaling import loss_scaling
 
 
 def multi_steps(

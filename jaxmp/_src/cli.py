@@ -19,7 +19,7 @@ def _add_doctor(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
-  from jaxmp.hardware import hardware_report  # pylint: disable=g-import-not-at-top
+  from jaxmp._src.hardware import hardware_report  # pylint: disable=g-import-not-at-top
 
   report = hardware_report()
   if args.json:
@@ -39,7 +39,7 @@ def _add_convert(parser: argparse.ArgumentParser) -> None:
 def _run_convert(args: argparse.Namespace) -> int:
   import warnings  # pylint: disable=g-import-not-at-top
 
-  from jaxmp.migration import deepspeed_config_to_code  # pylint: disable=g-import-not-at-top
+  from jaxmp._src.codegen import deepspeed_config_to_code  # pylint: disable=g-import-not-at-top
 
   def one_line(text: str) -> str:
     return " ".join(str(text).split())

@@ -9,17 +9,17 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from jaxmp.flax.module_policy import ModulePolicy
-from jaxmp.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
-from jaxmp.path_policy import PathPolicy
-from jaxmp.policy import Policy, get_policy
-from jaxmp.scaling import (
-    LossScalingState,
-    get_loss_scale,
-    loss_scaling,
-    loss_scaling_metrics,
-    scaled_value_and_grad,
+from jaxmp._src.flax.module_policy import ModulePolicy
+from jaxmp._src.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
+from jaxmp._src.loss_scaling import (
+  LossScalingState,
+  get_loss_scale,
+  loss_scaling,
+  loss_scaling_metrics,
 )
+from jaxmp._src.path_policy import PathPolicy
+from jaxmp._src.policy import Policy, get_policy
+from jaxmp._src.value_and_grad import scaled_value_and_grad
 
 
 def _as_policy(spec: Any) -> Any:
@@ -209,6 +209,3 @@ class TrainState(train_state.TrainState):
       return io_policy.cast_to_output(loss_fn(params, *args, **kwargs))
 
     return scaled_value_and_grad(run, self.loss_scale, has_aux=has_aux)
-
-
-__all__ = ["TrainState"]

@@ -18,13 +18,14 @@ import os
 import warnings
 from typing import Any
 
-from jaxmp.loss_scale import (
+from jaxmp._src.loss_scale import (
+    INT32_MAX,
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
     StaticLossScale,
 )
-from jaxmp.policy import Policy, get_policy
+from jaxmp._src.policy import Policy, get_policy
 
 # DeepSpeed's defaults for the fp16 block (its precision config).
 DEEPSPEED_FP16_DEFAULTS = {
@@ -35,11 +36,6 @@ DEEPSPEED_FP16_DEFAULTS = {
     "consecutive_hysteresis": False,
     "min_loss_scale": 1,
 }
-
-# PyTorch's GradScaler never grows when ``growth_interval <= 0``. jaxmp's
-# period is an int32 step count, so "never" is represented by the largest
-# one: growth would need 2**31 - 1 consecutive finite steps.
-NEVER_GROW_PERIOD = 2**31 - 1
 
 # Keys of the fp16/bf16 blocks that jaxmp reads.
 _FP16_KEYS = ("enabled", *DEEPSPEED_FP16_DEFAULTS)
@@ -145,7 +141,7 @@ def load_deepspeed_config(config: Any) -> dict[str, Any]:
     TypeError: for any other kind of ``config``.
 
   Example:
-    >>> from jaxmp.migration import load_deepspeed_config
+    >>> from jaxmp._src.deepspeed import load_deepspeed_config
     >>> load_deepspeed_config('{"fp16": {"enabled": true}  // fp16 on\\n}')
     {'fp16': {'enabled': True}}
   """
@@ -285,7 +281,7 @@ def _precision(config: dict[str, Any]) -> _Precision:
         f"(the scale is a float32), got {power}; 16 is the usual value"
     )
   window = _number(fp16, "loss_scale_window", integer=True)
-  if not 1 <= window <= NEVER_GROW_PERIOD:
+  if not 1 <= window <= INT32_MAX:
     raise _ConfigError(
         f"DeepSpeed config: fp16.loss_scale_window must be a positive integer, "
         f"got {window}; 1000 is DeepSpeed's default"
@@ -375,330 +371,3 @@ def from_deepspeed_config(config: Any) -> tuple[Policy, LossScale]:
   """
   precision = _precision(load_deepspeed_config(config))
   return precision.policy, precision.loss_scale
-
-
-# ---------------------------------------------------------------------------
-# PyTorch.
-
-
-def from_torch_grad_scaler(
-    init_scale: float = 65536.0,
-    growth_factor: float = 2.0,
-    backoff_factor: float = 0.5,
-    growth_interval: int = 2000,
-    enabled: bool = True,
-) -> LossScale:
-  """Returns a loss scale that follows ``torch.amp.GradScaler`` step for step.
-
-  The arguments are those of ``torch.amp.GradScaler`` (without ``device``:
-  JAX places the state). The result is a :class:`jaxmp.DynamicLossScale`
-  with ``factor=growth_factor``, ``backoff_factor``, ``period=growth_interval``
-  and ``min_loss_scale=0`` (PyTorch has no floor). As in PyTorch:
-
-  * the scale grows on the ``growth_interval``-th consecutive finite step, and
-    a growth whose result is not finite is refused (the counter still resets);
-  * every overflow multiplies the scale by ``backoff_factor``;
-  * the float32 scale is multiplied by the factor in double precision and
-    rounded once, which matters for factors such as 0.1 or 1.1.
-
-  ``growth_interval <= 0`` never grows in PyTorch; here it gives a period of
-  ``2**31 - 1`` steps (:data:`NEVER_GROW_PERIOD`), which no run reaches.
-  ``enabled=False`` gives :class:`jaxmp.NoOpLossScale`.
-
-  One difference: the scale never backs off below ``2**-126``, the smallest
-  normal float32 (backends such as the CPU flush smaller values to 0, after
-  which no step could succeed); PyTorch walks on through the subnormals.
-  Overflows at that floor are counted, so :func:`jaxmp.check_loss_scale`
-  raises there.
-
-  Args:
-    init_scale: the initial scale.
-    growth_factor: multiplier on growth, > 1.
-    backoff_factor: multiplier on overflow, in (0, 1).
-    growth_interval: consecutive finite steps before the scale grows.
-    enabled: ``False`` disables loss scaling.
-
-  Returns:
-    A :class:`jaxmp.DynamicLossScale`, or :class:`jaxmp.NoOpLossScale` when
-    ``enabled`` is false.
-
-  Raises:
-    TypeError: for non-numbers (e.g. a device name passed positionally).
-    ValueError: for a non-positive or non-finite ``init_scale``,
-      ``growth_factor <= 1`` or ``backoff_factor`` outside (0, 1).
-
-  Example:
-    >>> import jax.numpy as jnp, jaxmp
-    >>> ls = jaxmp.from_torch_grad_scaler(init_scale=1024.0, growth_interval=2)
-    >>> ls = ls.adjust(jnp.array(True)).adjust(jnp.array(True))
-    >>> float(ls.loss_scale)
-    2048.0
-  """
-  if not isinstance(enabled, bool):
-    raise TypeError(f"from_torch_grad_scaler: enabled must be a bool, got {enabled!r}.")
-  for name, value in (
-      ("init_scale", init_scale),
-      ("growth_factor", growth_factor),
-      ("backoff_factor", backoff_factor),
-      ("growth_interval", growth_interval),
-  ):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-      hint = (
-          " It looks like a device name: jaxmp takes no device argument, drop it."
-          if isinstance(value, str) else ""
-      )
-      raise TypeError(
-          f"from_torch_grad_scaler: {name} must be a number, got {value!r}.{hint}"
-      )
-  if not enabled:
-    return NoOpLossScale()
-  if not (math.isfinite(init_scale) and init_scale > 0):
-    raise ValueError(
-        f"from_torch_grad_scaler: init_scale must be positive and finite, got "
-        f"{init_scale!r}; PyTorch's default is 65536.0."
-    )
-  if not (math.isfinite(growth_factor) and growth_factor > 1):
-    raise ValueError(
-        f"from_torch_grad_scaler: growth_factor must be a finite number > 1, "
-        f"got {growth_factor!r}; PyTorch's default is 2.0."
-    )
-  if not 0 < backoff_factor < 1:
-    raise ValueError(
-        f"from_torch_grad_scaler: backoff_factor must lie strictly between 0 "
-        f"and 1, got {backoff_factor!r}; PyTorch's default is 0.5."
-    )
-  if not float(growth_interval).is_integer():
-    raise TypeError(
-        f"from_torch_grad_scaler: growth_interval must be an integer, got "
-        f"{growth_interval!r}."
-    )
-  period = int(growth_interval)
-  if period <= 0 or period > NEVER_GROW_PERIOD:
-    period = NEVER_GROW_PERIOD
-  return DynamicLossScale(
-      float(init_scale),
-      period=period,
-      factor=float(growth_factor),
-      min_loss_scale=0.0,
-      backoff_factor=float(backoff_factor),
-  )
-
-
-# ---------------------------------------------------------------------------
-# Code generation for `jaxmp convert`.
-
-
-def _py(value: Any) -> str:
-  return repr(float(value)) if isinstance(value, float) else repr(value)
-
-
-def _setting(value: Any, default: Any) -> Any:
-  return default if value in ("auto", None) else value
-
-
-def _optimizer_code(
-    config: dict[str, Any], placeholders: list[str], notes: list[tuple[str, str]]
-) -> str:
-  """The optax expression equivalent to DeepSpeed's ``optimizer`` block."""
-  block = config.get("optimizer")
-  if block is None:
-    placeholders.append("learning_rate = 1e-3  # no optimizer in the config: choose one")
-    return "optax.adamw(learning_rate)"
-  if not isinstance(block, dict):
-    raise _ConfigError(f"DeepSpeed config: 'optimizer' must be an object, got {block!r}")
-  kind = str(block.get("type", "")).lower()
-  params = block.get("params") or {}
-  if not isinstance(params, dict):
-    raise _ConfigError(
-        f"DeepSpeed config: optimizer.params must be an object, got {params!r}"
-    )
-  lr = params.get("lr", "auto")
-  if lr in ("auto", None):
-    placeholders.append(
-        'learning_rate = 1e-3  # "auto" in the config: put your learning rate here'
-    )
-  else:
-    placeholders.append(f"learning_rate = {_py(lr)}")
-  args = ["learning_rate"]
-  betas = _setting(params.get("betas"), None)
-  if isinstance(betas, (list, tuple)) and len(betas) == 2:
-    args += [f"b1={_py(betas[0])}", f"b2={_py(betas[1])}"]
-  eps = _setting(params.get("eps"), None)
-  if eps is not None:
-    args.append(f"eps={_py(eps)}")
-  weight_decay = _setting(params.get("weight_decay"), 0)
-  if kind in ("adam", "adamw", "fusedadam", "cpuadam", "deepspeedcpuadam"):
-    decoupled = kind != "adam" or params.get("adam_w_mode", True) is not False
-    if weight_decay and decoupled:
-      return f"optax.adamw({', '.join(args)}, weight_decay={_py(weight_decay)})"
-    if weight_decay:
-      return (
-          f"optax.chain(optax.add_decayed_weights({_py(weight_decay)}), "
-          f"optax.adam({', '.join(args)}))"
-      )
-    return f"optax.adam({', '.join(args)})"
-  if kind in ("lamb", "onebitlamb"):
-    return f"optax.lamb({', '.join(args)}, weight_decay={_py(weight_decay)})"
-  if kind == "lion":
-    lion_args = [a for a in args if not a.startswith("eps=")]
-    return f"optax.lion({', '.join(lion_args)}, weight_decay={_py(weight_decay)})"
-  if kind == "sgd":
-    momentum = _setting(params.get("momentum"), None)
-    expr = "optax.sgd(learning_rate" + (
-        f", momentum={_py(momentum)})" if momentum else ")"
-    )
-    if weight_decay:
-      expr = f"optax.chain(optax.add_decayed_weights({_py(weight_decay)}), {expr})"
-    return expr
-  notes.append((
-      "optimizer",
-      f"optimizer type {block.get('type')!r} is not mapped; pick the optax "
-      "optimizer by hand (optax.adamw is used as a placeholder)",
-  ))
-  return "optax.adamw(learning_rate)"
-
-
-def deepspeed_config_to_code(
-    config: Any, *, source: str = "the DeepSpeed config"
-) -> tuple[str, list[tuple[str, str]]]:
-  """Returns jaxmp code equivalent to a DeepSpeed config, and what it left out.
-
-  The code builds ``policy`` and ``loss_scale`` (as
-  :func:`from_deepspeed_config` does), the optax optimizer from
-  ``optimizer`` and ``gradient_clipping``, and ``tx``: the optimizer wrapped
-  with :func:`jaxmp.loss_scaling` (and ``optax.MultiSteps`` for
-  ``gradient_accumulation_steps > 1``). ``jaxmp convert`` prints it.
-
-  Args:
-    config: as for :func:`from_deepspeed_config`.
-    source: how the config is named in the code's first comment.
-
-  Returns:
-    ``(code, left_out)``: the Python code, and ``(key, advice)`` pairs for the
-    keys that have no jaxmp equivalent.
-
-  Raises:
-    ValueError, TypeError: as :func:`from_deepspeed_config`.
-
-  Example:
-    >>> from jaxmp.migration import deepspeed_config_to_code
-    >>> code, left_out = deepspeed_config_to_code(
-    ...     {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2}})
-    >>> print(code.splitlines()[4])
-    policy = jaxmp.get_policy("mixed_bfloat16")
-    >>> left_out[0][0]
-    'zero_optimization'
-  """
-  config = load_deepspeed_config(config)
-  precision = _precision(config)
-  notes = list(precision.ignored)
-  placeholders: list[str] = []
-  lines = [
-      f"# jaxmp equivalent of {source}.",
-      "import jaxmp",
-      "import optax",
-      "",
-  ]
-  preset = {"fp16-dynamic": "mixed_float16", "fp16-static": "mixed_float16",
-            "bf16": "mixed_bfloat16", "float32": "float32"}[precision.mode]
-  lines.append(f'policy = jaxmp.get_policy("{preset}")')
-  ls = precision.loss_scale
-  if precision.mode == "fp16-dynamic":
-    lines += [
-        "loss_scale = jaxmp.DynamicLossScale(",
-        f"    loss_scale={_py(float(ls.loss_scale))},",
-        f"    period={ls.period},  # loss_scale_window",
-        "    factor=2.0,",
-        f"    min_loss_scale={_py(ls.min_loss_scale)},",
-        f"    hysteresis={ls.hysteresis},",
-        f"    consecutive_hysteresis={ls.consecutive_hysteresis},",
-        ")",
-        "# Where the hardware runs bfloat16 (see `jaxmp doctor`), prefer:",
-        '#   policy = jaxmp.get_policy("mixed_bfloat16")',
-        "#   loss_scale = jaxmp.NoOpLossScale()",
-    ]
-  elif precision.mode == "fp16-static":
-    lines.append(f"loss_scale = jaxmp.StaticLossScale({_py(float(ls.loss_scale))})")
-  else:
-    lines.append("loss_scale = jaxmp.NoOpLossScale()")
-  lines.append("")
-
-  optimizer = _optimizer_code(config, placeholders, notes)
-  clip = config.get("gradient_clipping", 0)
-  if clip == "auto":
-    placeholders.append('max_grad_norm = 1.0  # "auto" in the config')
-    clip_expr = "max_grad_norm"
-  elif isinstance(clip, numbers.Real) and not isinstance(clip, bool) and clip >= 0:
-    clip_expr = _py(clip) if clip > 0 else None
-  else:
-    raise _ConfigError(
-        f"DeepSpeed config: gradient_clipping must be a number >= 0, got {clip!r}"
-    )
-  lines += placeholders
-  if clip_expr is not None:
-    lines += [
-        "optimizer = optax.chain(",
-        f"    optax.clip_by_global_norm({clip_expr}),",
-        f"    {optimizer},",
-        ")",
-    ]
-  else:
-    lines.append(f"optimizer = {optimizer}")
-  lines.append(
-      "# Wrap the whole optimizer: it then sees unscaled gradients and skips "
-      "non-finite steps."
-  )
-  lines.append("tx = jaxmp.loss_scaling(optimizer, loss_scale)")
-  accumulation = config.get("gradient_accumulation_steps", 1)
-  if accumulation not in ("auto", None, 1):
-    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
-      raise _ConfigError(
-          "DeepSpeed config: gradient_accumulation_steps must be a positive "
-          f"integer, got {accumulation!r}"
-      )
-    lines.append(f"tx = optax.MultiSteps(tx, every_k_schedule={accumulation})")
-  elif accumulation == "auto":
-    notes.append((
-        "gradient_accumulation_steps",
-        '"auto": wrap tx in optax.MultiSteps(tx, every_k_schedule=k) to '
-        "accumulate k micro-batches",
-    ))
-  lines += [
-      "",
-      "# In the training step (params in float32):",
-      "#   loss_scale = jaxmp.get_loss_scale(opt_state)",
-      "#   loss, grads = jaxmp.scaled_value_and_grad(loss_fn, loss_scale)(params, batch)",
-      "#   updates, opt_state = tx.update(grads, opt_state, params)",
-      "#   params = optax.apply_updates(params, updates)",
-      "# with loss_fn running the model on policy.cast_to_compute(params) and",
-      "# returning a float32 loss. Every N steps, outside jit:",
-      "#   jaxmp.check_loss_scale(opt_state)",
-  ]
-
-  handled = {"fp16", "bf16", "bfloat16", "optimizer", "gradient_clipping",
-             "gradient_accumulation_steps"}
-  for key in config:
-    if key in handled:
-      continue
-    if key in _NO_EQUIVALENT:
-      notes.append((key, _NO_EQUIVALENT[key]))
-      if isinstance(config[key], dict):
-        notes += [
-            (f"{key}.{k}", "offloading has no jaxmp equivalent")
-            for k in config[key] if "offload" in k
-        ]
-    elif "offload" in key:
-      notes.append((key, "offloading has no jaxmp equivalent"))
-    else:
-      notes.append((key, "no jaxmp equivalent; ignored"))
-  return "\n".join(lines) + "\n", notes
-
-
-__all__ = [
-    "DEEPSPEED_FP16_DEFAULTS",
-    "NEVER_GROW_PERIOD",
-    "deepspeed_config_to_code",
-    "from_deepspeed_config",
-    "from_torch_grad_scaler",
-    "load_deepspeed_config",
-]

@@ -75,7 +75,7 @@ def update_or_keep(
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
-    >>> from jaxmp._fold import update_or_keep
+    >>> from jaxmp._src.inplace_select import update_or_keep
     >>> tx = optax.sgd(0.1, momentum=0.9)
     >>> params = {"w": jnp.ones(2)}
     >>> state = tx.init(params)

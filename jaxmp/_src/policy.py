@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src.hardware import recommended_preset
+
 T = TypeVar("T")
 
 # Canonical short name of each supported dtype, used by ``str(policy)``.
@@ -253,8 +255,6 @@ def get_policy(spec: Any) -> Policy:
         "), a dtype name, or 'p=f32,c=bf16,o=f32'."
     )
   if text == "auto":
-    from jaxmp.hardware import auto_policy  # pylint: disable=g-import-not-at-top
-
     return auto_policy()
   if text in PRESETS:
     text = PRESETS[text]
@@ -329,3 +329,24 @@ def cast_to_half(tree: T) -> T:
     True
   """
   return cast_floating(tree, half_dtype())
+
+
+def auto_policy(device: Any = None) -> Policy:
+  """Returns the recommended policy for ``device`` (default: the first device).
+
+  * TPU, NVIDIA GPUs of compute capability 8.0 or more (Ampere, Hopper ...)
+    and AMD GPUs: ``mixed_bfloat16``, which needs no loss scaling.
+  * Older NVIDIA GPUs: ``mixed_float16``; pair it with a
+    :class:`jaxmp.DynamicLossScale`.
+  * CPU: ``float32``, since low precision brings no speed there.
+
+  Raises:
+    TypeError: if ``device`` is not a JAX device (e.g. a platform name).
+
+  Example:
+    >>> import jaxmp
+    >>> str(jaxmp.auto_policy())  # on the CPU
+    'p=f32,c=f32,o=f32'
+  """
+  device = jax.devices()[0] if device is None else device
+  return get_policy(recommended_preset(device))

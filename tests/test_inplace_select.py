@@ -1,4 +1,4 @@
-"""Tests of the folded select of loss_scaling: same values as the plain update."""
+"""Tests of the in-place select of loss_scaling: same values as the plain update."""
 
 import chex
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from jaxmp._fold import update_or_keep
+from jaxmp._src.inplace_select import update_or_keep
 
 
 def _with_odd_state():

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Iterable, Mapping, TypeVar
+from typing import Any, Iterable, Mapping, TypeVar
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from jaxmp.policy import Policy, get_policy
+from jaxmp._src.policy import Policy, get_policy
+from jaxmp._src.rules import (
+    check_pattern,
+    check_rules,
+    is_floating_array,
+    rules_need_loss_scaling,
+)
 
 T = TypeVar("T")
 
@@ -31,7 +35,7 @@ def path_to_string(path: Iterable[Any]) -> str:
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from jaxmp.path_policy import path_to_string
+    >>> from jaxmp._src.path_policy import path_to_string
     >>> tree = {"params": {"Dense_0": {"kernel": jnp.ones(2)}}}
     >>> path, _ = jax.tree_util.tree_flatten_with_path(tree)[0][0]
     >>> path_to_string(path)
@@ -57,23 +61,6 @@ def path_to_string(path: Iterable[Any]) -> str:
   return "/".join(parts)
 
 
-def is_floating_array(x: Any) -> bool:
-  """True for a JAX or NumPy array (or scalar) of a floating dtype."""
-  return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
-      x.dtype, jnp.floating
-  )
-
-
-def check_pattern(owner: str, pattern: str) -> None:
-  """Raises a ValueError naming ``owner`` if ``pattern`` is not a valid regex."""
-  try:
-    re.compile(pattern)
-  except re.error as e:
-    raise ValueError(
-        f"{owner}: {pattern!r} is not a valid regular expression: {e}."
-    ) from None
-
-
 def _check_pattern(pattern: Any) -> None:
   if not isinstance(pattern, str):
     raise TypeError(
@@ -81,56 +68,6 @@ def _check_pattern(pattern: Any) -> None:
         f"{pattern!r} of type {type(pattern).__name__}."
     )
   check_pattern("PathPolicy", pattern)
-
-
-def rules_need_loss_scaling(
-    rules: tuple[tuple[Any, Policy], ...], default: Policy | None
-) -> bool:
-  """True when any policy of ``rules`` or ``default`` needs loss scaling."""
-  policies = [policy for _, policy in rules]
-  if default is not None:
-    policies.append(default)
-  return any(policy.needs_loss_scaling for policy in policies)
-
-
-def check_rules(
-    owner: str,
-    rules: Mapping[Any, Any] | Iterable[tuple[Any, Any]],
-    check_key: Callable[[Any], None],
-    *,
-    key_word: str,
-    key_description: str,
-    key_repr: Callable[[Any], str] = repr,
-) -> tuple[tuple[Any, Policy], ...]:
-  """Validates ``{key: policy spec}`` rules; returns ``((key, Policy), ...)``.
-
-  Shared by :class:`PathPolicy` and :class:`jaxmp.flax.ModulePolicy`: each key
-  is checked by ``check_key``, given once, and each spec parsed by
-  :func:`jaxmp.get_policy`; errors name ``owner`` and the offending key.
-  """
-  items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
-  checked = []
-  seen = set()
-  for item in items:
-    if not (isinstance(item, tuple) and len(item) == 2):
-      raise TypeError(
-          f"{owner} rules must be a dict {{{key_description}: policy}} or a "
-          f"list of ({key_word}, policy) pairs; got the item {item!r}."
-      )
-    key, spec = item
-    check_key(key)
-    if key in seen:
-      raise ValueError(
-          f"{owner}: the {key_word} {key_repr(key)} is given twice; give each "
-          f"{key_word} once."
-      )
-    seen.add(key)
-    try:
-      policy = get_policy(spec)
-    except (ValueError, TypeError) as e:
-      raise type(e)(f"{owner}, {key_word} {key_repr(key)}: {e}") from None
-    checked.append((key, policy))
-  return tuple(checked)
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -299,6 +236,3 @@ class PathPolicy:
   def __str__(self) -> str:
     rules = ", ".join(f"{p!r}: {pol}" for p, pol in self.rules)
     return f"PathPolicy({{{rules}}}, default={self.default})"
-
-
-__all__ = ["PathPolicy", "path_to_string"]

@@ -17,8 +17,8 @@ from typing import Any
 
 import jax
 
-from jaxmp.loss_scale import LossScale
-from jaxmp.scaling import LossScalingState
+from jaxmp._src.loss_scale import LossScale
+from jaxmp._src.loss_scaling import LossScalingState
 
 
 def _is_nnx_node(x: Any) -> bool:
@@ -224,6 +224,3 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
     nnx.update(target, restored.state)
     return target
   return restored.state
-
-
-__all__ = ["loss_scale_config", "restore_checkpoint", "save_checkpoint"]

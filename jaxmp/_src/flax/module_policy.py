@@ -21,13 +21,13 @@ import jax
 from flax import struct
 from flax.core import meta
 
-from jaxmp.path_policy import (
-    check_pattern,
-    check_rules,
-    is_floating_array,
-    rules_need_loss_scaling,
+from jaxmp._src.policy import Policy, get_policy
+from jaxmp._src.rules import (
+  check_pattern,
+  check_rules,
+  is_floating_array,
+  rules_need_loss_scaling,
 )
-from jaxmp.policy import Policy, get_policy
 
 # The policies of the Linen module methods now running, innermost last.
 _ACTIVE = threading.local()
@@ -375,6 +375,3 @@ def _rule_hits(key: Any, module: Any, name: str | None, path: str) -> bool:
   return (name is not None and re.fullmatch(key, name) is not None) or (
       re.fullmatch(key, path) is not None
   )
-
-
-__all__ = ["ModulePolicy"]

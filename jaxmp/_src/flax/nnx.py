@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from jaxmp.loss_scale import LossScale
-from jaxmp.scaling import scale_then_differentiate
+from jaxmp._src.loss_scale import LossScale
+from jaxmp._src.value_and_grad import scale_then_differentiate
 
 
 def nnx_scaled_value_and_grad(
@@ -64,6 +64,3 @@ def nnx_scaled_value_and_grad(
       caller="nnx_scaled_value_and_grad",
       state_hint="With an nnx.Optimizer, pass "
       "jaxmp.get_loss_scale(optimizer.opt_state).")
-
-
-__all__ = ["nnx_scaled_value_and_grad"]

@@ -1,4 +1,4 @@
-"""Tests of jaxmp.scaling: the optax wrapper and its helpers."""
+"""Tests of the optax wrapper loss_scaling and its helpers."""
 
 import chex
 import jax

@@ -118,6 +118,3 @@ def opt_state_shardings(
       param_shardings,
       transform_non_params=lambda _: replicated,
   )
-
-
-__all__ = ["opt_state_shardings"]

@@ -345,13 +345,3 @@ def suggest_loss_scale(grads: Any, dtype: Any = jnp.float16) -> jax.Array:
   power = jnp.clip(power, -126, 127)
   scale = jnp.ldexp(jnp.ones([], jnp.float32), power)
   return jnp.where(jnp.isfinite(max_abs), scale, jnp.float32(jnp.nan))
-
-
-__all__ = [
-    "dtype_headroom",
-    "finite_mask",
-    "grad_stats",
-    "nonfinite_paths",
-    "report_nonfinite",
-    "suggest_loss_scale",
-]

@@ -7,8 +7,6 @@ from typing import Any
 
 import jax
 
-from jaxmp.policy import Policy, get_policy
-
 
 def _compute_capability(device: Any) -> float | None:
   """Returns an NVIDIA device's compute capability as a float, else None."""
@@ -41,24 +39,15 @@ def _native_support(device: Any) -> dict[str, bool]:
   return {"bfloat16": False, "float16": False, "float8": False}
 
 
-def auto_policy(device: Any = None) -> Policy:
-  """Returns the recommended policy for ``device`` (default: the first device).
+def recommended_preset(device: Any) -> str:
+  """The name of the policy preset recommended for ``device``.
 
-  * TPU, NVIDIA GPUs of compute capability 8.0 or more (Ampere, Hopper ...)
-    and AMD GPUs: ``mixed_bfloat16``, which needs no loss scaling.
-  * Older NVIDIA GPUs: ``mixed_float16``; pair it with a
-    :class:`jaxmp.DynamicLossScale`.
-  * CPU: ``float32``, since low precision brings no speed there.
+  ``"mixed_bfloat16"`` where bfloat16 is native, else ``"mixed_float16"``
+  where float16 is, else ``"float32"``.
 
   Raises:
     TypeError: if ``device`` is not a JAX device (e.g. a platform name).
-
-  Example:
-    >>> import jaxmp
-    >>> str(jaxmp.auto_policy())  # on the CPU
-    'p=f32,c=f32,o=f32'
   """
-  device = jax.devices()[0] if device is None else device
   if not isinstance(getattr(device, "platform", None), str):
     raise TypeError(
         f"auto_policy expects a JAX device or None, got {device!r}. Pass a "
@@ -66,10 +55,10 @@ def auto_policy(device: Any = None) -> Policy:
     )
   native = _native_support(device)
   if native["bfloat16"]:
-    return get_policy("mixed_bfloat16")
+    return "mixed_bfloat16"
   if native["float16"]:
-    return get_policy("mixed_float16")
-  return get_policy("float32")
+    return "mixed_float16"
+  return "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,17 +115,13 @@ def hardware_report() -> HardwareReport:
   devices = jax.devices()
   device = devices[0]
   native = _native_support(device)
-  policy = auto_policy(device)
+  preset = recommended_preset(device)
   cc = _compute_capability(device)
-  if policy.needs_loss_scaling:
+  # Of the presets, only float16 compute needs loss scaling.
+  if preset == "mixed_float16":
     loss_scale = "DynamicLossScale()"
   else:
     loss_scale = "NoOpLossScale()"
-  preset = {
-      "p=f32,c=bf16,o=f32": "mixed_bfloat16",
-      "p=f32,c=f16,o=f32": "mixed_float16",
-      "p=f32,c=f32,o=f32": "float32",
-  }.get(str(policy), str(policy))
   return HardwareReport(
       jax_version=jax.__version__,
       platform=device.platform,

@@ -1,0 +1,104 @@
+"""The layout of docs/architecture.md: imports go one way, and _src is private."""
+
+import ast
+import graphlib
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "jaxmp"
+# Tests of private mechanics, which may import jaxmp._src.
+PRIVATE_MECHANICS_TESTS = {
+    "test_inplace_select.py",
+    "test_path_policy.py",
+    "test_migration.py",
+    "test_architecture.py",
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+  parts = path.relative_to(ROOT).with_suffix("").parts
+  if parts[-1] == "__init__":
+    parts = parts[:-1]
+  return ".".join(parts)
+
+
+def _jaxmp_imports(path: pathlib.Path) -> set[str]:
+  """The jaxmp modules that a file imports, at any depth of its code."""
+  found = set()
+  for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      if node.module.startswith("jaxmp"):
+        found.add(node.module)
+    elif isinstance(node, ast.Import):
+      found.update(a.name for a in node.names if a.name.startswith("jaxmp"))
+  return found
+
+
+def _src_graph() -> dict[str, set[str]]:
+  graph = {}
+  for path in sorted((PACKAGE / "_src").rglob("*.py")):
+    name = _module_name(path)
+    graph[name] = {m for m in _jaxmp_imports(path) if m.startswith("jaxmp._src")}
+  return graph
+
+
+def test_private_modules_import_each_other_without_cycles():
+  graph = _src_graph()
+  assert len(graph) > 15
+  try:
+    order = list(graphlib.TopologicalSorter(graph).static_order())
+  except graphlib.CycleError as e:
+    pytest.fail(f"import cycle among jaxmp._src modules: {e.args[1]}")
+  assert set(order) >= set(graph)
+
+
+def test_private_modules_never_import_the_public_packages():
+  # The public __init__ files import _src; the other way round is a cycle.
+  for name, imports in _src_graph().items():
+    path = PACKAGE.parent / (name.replace(".", "/") + ".py")
+    if not path.exists():
+      path = PACKAGE.parent / name.replace(".", "/") / "__init__.py"
+    public = {m for m in _jaxmp_imports(path) if not m.startswith("jaxmp._src")}
+    assert not public, f"{name} imports {public}"
+
+
+def test_only_flax_modules_import_flax():
+  for path in (PACKAGE / "_src").rglob("*.py"):
+    if "flax" in path.relative_to(PACKAGE / "_src").parts:
+      continue
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and node.module:
+        assert not node.module.startswith(("flax", "orbax")), path
+      elif isinstance(node, ast.Import):
+        assert not any(a.name.startswith(("flax", "orbax")) for a in node.names), path
+
+
+def test_only_the_public_packages_declare_all():
+  for path in (PACKAGE / "_src").rglob("*.py"):
+    assert "__all__" not in path.read_text(encoding="utf-8"), path
+
+
+@pytest.mark.parametrize("folder", ["tests", "examples", "benchmarks", "docs"])
+def test_users_code_does_not_import_private_modules(folder):
+  offenders = []
+  for path in (ROOT / folder).rglob("*.py"):
+    if folder == "tests" and path.name in PRIVATE_MECHANICS_TESTS:
+      continue
+    if any(m.startswith("jaxmp._src") for m in _jaxmp_imports(path)):
+      offenders.append(str(path.relative_to(ROOT)))
+  for path in (ROOT / folder).rglob("*.md"):
+    if "jaxmp._src" in path.read_text(encoding="utf-8") and path.name != "architecture.md":
+      offenders.append(str(path.relative_to(ROOT)))
+  assert not offenders
+
+
+def test_every_private_module_is_on_the_architecture_page():
+  page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+  for path in (PACKAGE / "_src").rglob("*.py"):
+    if path.name == "__init__.py":
+      continue
+    rel = path.relative_to(PACKAGE).as_posix()
+    assert f"`{rel}`" in page, f"{rel} is missing from docs/architecture.md"
