@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from jaxmp._src.loss_scale import LossScale
-from jaxmp._src.loss_scaling import _find_state, _find_states, _metrics_of_scale
+from jaxmp._src.loss_scaling import _find_state, _find_states
 
 
 class LossScaleAtMinimumError(RuntimeError):
@@ -70,14 +70,14 @@ def check_loss_scale(x: Any, *, max_overflows_at_min: int = 0) -> None:
   if isinstance(x, dict) and "overflows_at_min" in x:
     metrics = x
   elif isinstance(x, LossScale):
-    metrics = _metrics_of_scale(x)
+    metrics = x.metrics()
   elif isinstance(x, dict) and "loss_scale" in x and not _find_states(x):
     raise ValueError(
         "check_loss_scale: the metrics dict has no 'overflows_at_min' key. Pass "
         "the dict returned by jaxmp.loss_scaling_metrics(opt_state)."
     )
   else:
-    metrics = _metrics_of_scale(_find_state(x, "check_loss_scale").loss_scale)
+    metrics = _find_state(x, "check_loss_scale").loss_scale.metrics()
   overflows, scale = jax.device_get(
       (metrics["overflows_at_min"], metrics["loss_scale"])
   )

@@ -163,8 +163,35 @@ class LossScale:
 
     return jax.tree_util.tree_map(unscale_leaf, tree)
 
-  def adjust(self, grads_finite: Any) -> "LossScale":
+  def adjust(self, grads_finite: Any) -> LossScale:
     raise NotImplementedError
+
+  def metrics(self) -> dict[str, jax.Array]:
+    """Scalar arrays describing this loss scale, for logging; jit-safe.
+
+    Keys: ``loss_scale`` (float32), ``overflows_at_min`` (int32: overflows
+    that found the scale at its minimum; 0 for scales that never change) and
+    ``steps_since_adjustment`` (int32: the dynamic scale's counter, else 0).
+    """
+    zero = jnp.zeros([], jnp.int32)
+    return {
+        "loss_scale": jnp.asarray(self.loss_scale, jnp.float32),
+        "overflows_at_min": zero,
+        "steps_since_adjustment": zero,
+    }
+
+  def config(self) -> dict[str, Any]:
+    """The static configuration: ``{"type": class name, field: value, ...}``.
+
+    The fields are those that a checkpoint must agree on to resume
+    (``period``, ``factor`` ... for :class:`DynamicLossScale`); the state
+    (the scale, the counters) is not part of it.
+    """
+    config: dict[str, Any] = {"type": type(self).__name__}
+    for field in dataclasses.fields(self):
+      if field.metadata.get("static"):
+        config[field.name] = getattr(self, field.name)
+    return config
 
 
 def _check_finite_flag(grads_finite: Any) -> jax.Array:
@@ -198,7 +225,7 @@ class NoOpLossScale(LossScale):
   def unscale(self, tree: T) -> T:
     return tree
 
-  def adjust(self, grads_finite: Any) -> "NoOpLossScale":
+  def adjust(self, grads_finite: Any) -> NoOpLossScale:
     _check_finite_flag(grads_finite)
     return self
 
@@ -233,7 +260,7 @@ class StaticLossScale(LossScale):
           "Typical values are powers of two such as 2.0**15."
       )
 
-  def adjust(self, grads_finite: Any) -> "StaticLossScale":
+  def adjust(self, grads_finite: Any) -> StaticLossScale:
     _check_finite_flag(grads_finite)
     return self
 
@@ -407,7 +434,13 @@ class DynamicLossScale(LossScale):
     if value is not None and value < 0:
       raise ValueError(f"{cls}: overflows_at_min must be >= 0, got {value}.")
 
-  def adjust(self, grads_finite: Any) -> "DynamicLossScale":
+  def metrics(self) -> dict[str, jax.Array]:
+    metrics = super().metrics()
+    metrics["overflows_at_min"] = jnp.asarray(self.overflows_at_min)
+    metrics["steps_since_adjustment"] = jnp.asarray(self.counter)
+    return metrics
+
+  def adjust(self, grads_finite: Any) -> DynamicLossScale:
     """Returns the loss scale for the next step, given this step's finiteness.
 
     Args:

@@ -220,16 +220,6 @@ def get_loss_scale(opt_state: Any) -> LossScale:
   )
 
 
-def _metrics_of_scale(loss_scale: LossScale) -> dict[str, jax.Array]:
-  overflows = getattr(loss_scale, "overflows_at_min", None)
-  return {
-      "loss_scale": jnp.asarray(loss_scale.loss_scale, jnp.float32),
-      "overflows_at_min": jnp.zeros([], jnp.int32)
-      if overflows is None
-      else jnp.asarray(overflows),
-  }
-
-
 def loss_scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
   """Returns scalar arrays describing loss scaling, for logging; jit-safe.
 
@@ -245,11 +235,7 @@ def loss_scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
     ['last_finite', 'loss_scale', 'overflows_at_min', 'skipped_steps', 'steps_since_adjustment']
   """
   state = _find_state(opt_state, "loss_scaling_metrics")
-  metrics = _metrics_of_scale(state.loss_scale)
-  counter = getattr(state.loss_scale, "counter", None)
-  metrics["steps_since_adjustment"] = (
-      jnp.zeros([], jnp.int32) if counter is None else jnp.asarray(counter)
-  )
+  metrics = state.loss_scale.metrics()
   metrics["skipped_steps"] = jnp.asarray(state.skipped_steps)
   metrics["last_finite"] = jnp.asarray(state.last_finite)
   return metrics

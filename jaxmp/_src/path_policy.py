@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any, Iterable, Mapping, TypeVar
 
 import jax
@@ -18,6 +19,7 @@ from jaxmp._src.policy import Policy, get_policy
 from jaxmp._src.rules import (
     check_pattern,
     check_rules,
+    default_io_policy,
     is_floating_array,
     rules_need_loss_scaling,
 )
@@ -227,6 +229,27 @@ class PathPolicy:
   def cast_to_output(self, tree: T) -> T:
     """Casts each floating leaf to its policy's ``output_dtype``."""
     return self._cast(tree, "output_dtype")
+
+  @property
+  def io_policy(self) -> Policy:
+    """The policy of a model's inputs and outputs: ``default``.
+
+    Raises:
+      ValueError: if there is no default.
+    """
+    return default_io_policy(self)
+
+  def params_for_storage(self, params: Any) -> Any:
+    """Casts each param to its policy's ``param_dtype``."""
+    return self.cast_to_param(params)
+
+  def params_for_compute(self, params: Any) -> Any:
+    """Casts each param to its policy's ``compute_dtype``."""
+    return self.cast_to_compute(params)
+
+  def wrap_apply(self, apply_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Returns ``apply_fn`` unchanged; the casts are made around the call."""
+    return apply_fn
 
   @property
   def needs_loss_scaling(self) -> bool:

@@ -8,7 +8,8 @@ string grammar (``"p=f32,c=bf16,o=f32"``), a few presets and plain dtype names.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -141,6 +142,39 @@ def cast_floating(tree: T, dtype: Any) -> T:
   return jax.tree_util.tree_map(cast, tree)
 
 
+@runtime_checkable
+class PolicyLike(Protocol):
+  """What every policy kind offers: :class:`Policy`, :class:`jaxmp.PathPolicy`
+  and :class:`jaxmp.flax.ModulePolicy`.
+
+  :class:`jaxmp.flax.TrainState` (and anything else that trains under a
+  policy) uses only these members, so a new policy kind that provides them
+  works there unchanged. (:class:`Policy` and :class:`jaxmp.PathPolicy` also
+  cast any pytree with ``cast_to_param``/``cast_to_compute``/
+  ``cast_to_output``; a module policy casts inside the modules instead.)
+  """
+
+  @property
+  def needs_loss_scaling(self) -> bool: ...
+
+  @property
+  def io_policy(self) -> Policy:
+    """The policy of a model's inputs and outputs (the loss included)."""
+    ...
+
+  def params_for_storage(self, params: Any) -> Any:
+    """The params as they are stored: the master copy the optimizer updates."""
+    ...
+
+  def params_for_compute(self, params: Any) -> Any:
+    """The params as the forward pass receives them."""
+    ...
+
+  def wrap_apply(self, apply_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``apply_fn`` (e.g. a Linen ``model.apply``) running under the policy."""
+    ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
   """The dtypes of parameters, computation and outputs.
@@ -193,6 +227,23 @@ class Policy:
   def with_output_dtype(self, dtype: Any) -> "Policy":
     """Returns a copy with ``output_dtype`` replaced."""
     return dataclasses.replace(self, output_dtype=dtype)
+
+  @property
+  def io_policy(self) -> Policy:
+    """The policy of a model's inputs and outputs: this policy itself."""
+    return self
+
+  def params_for_storage(self, params: Any) -> Any:
+    """Casts the params to ``param_dtype``, the dtype of the master copy."""
+    return self.cast_to_param(params)
+
+  def params_for_compute(self, params: Any) -> Any:
+    """Casts the params to ``compute_dtype`` for the forward pass."""
+    return self.cast_to_compute(params)
+
+  def wrap_apply(self, apply_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Returns ``apply_fn`` unchanged; the casts are made around the call."""
+    return apply_fn
 
   @property
   def needs_loss_scaling(self) -> bool:

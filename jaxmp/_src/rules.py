@@ -82,3 +82,18 @@ def check_rules(
       raise type(e)(f"{owner}, {key_word} {key_repr(key)}: {e}") from None
     checked.append((key, policy))
   return tuple(checked)
+
+
+def default_io_policy(policy: Any) -> Policy:
+  """The ``default`` of a rule-based policy, as the policy of inputs and outputs.
+
+  Raises:
+    ValueError: if ``policy.default`` is None.
+  """
+  if policy.default is None:
+    raise ValueError(
+        f"This {type(policy).__name__} needs a default policy: it is the policy "
+        "of the model's inputs and outputs (and the loss). Pass default=... "
+        "(e.g. 'mixed_bfloat16')."
+    )
+  return policy.default

@@ -11,7 +11,6 @@ not slip through a resume unnoticed.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -75,12 +74,7 @@ def loss_scale_config(target: Any) -> dict[str, Any]:
         f"loss_scale_config: found {len(scales)} loss-scaling states; wrap the "
         "whole optimizer once with jaxmp.loss_scaling."
     )
-  scale = scales[0]
-  config = {"type": type(scale).__name__}
-  for field in dataclasses.fields(scale):
-    if field.metadata.get("static"):
-      config[field.name] = getattr(scale, field.name)
-  return config
+  return scales[0].config()
 
 
 def _config(target: Any) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from jaxmp._src.policy import Policy, get_policy
 from jaxmp._src.rules import (
   check_pattern,
   check_rules,
+  default_io_policy,
   is_floating_array,
   rules_need_loss_scaling,
 )
@@ -220,6 +221,23 @@ class ModulePolicy:
   def needs_loss_scaling(self) -> bool:
     """True when any of the policies (default included) needs loss scaling."""
     return rules_need_loss_scaling(self.rules, self.default)
+
+  @property
+  def io_policy(self) -> Policy:
+    """The policy of the model's inputs and outputs: ``default``.
+
+    Raises:
+      ValueError: if there is no default.
+    """
+    return default_io_policy(self)
+
+  def params_for_storage(self, params: Any) -> Any:
+    """Returns the params as they are: each module casts what it reads."""
+    return params
+
+  def params_for_compute(self, params: Any) -> Any:
+    """Returns the params as they are: each module casts what it reads."""
+    return params
 
   # Linen.
 

@@ -9,7 +9,6 @@ import optax
 from flax import struct
 from flax.training import train_state
 
-from jaxmp._src.flax.module_policy import ModulePolicy
 from jaxmp._src.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
 from jaxmp._src.loss_scaling import (
   LossScalingState,
@@ -17,38 +16,21 @@ from jaxmp._src.loss_scaling import (
   loss_scaling,
   loss_scaling_metrics,
 )
-from jaxmp._src.path_policy import PathPolicy
-from jaxmp._src.policy import Policy, get_policy
+from jaxmp._src.policy import PolicyLike, get_policy
 from jaxmp._src.value_and_grad import scaled_value_and_grad
 
 
-def _as_policy(spec: Any) -> Any:
-  """Returns ``spec`` as a :class:`jaxmp.Policy`, or a path/module policy as is.
+def _as_policy(spec: Any) -> PolicyLike:
+  """Returns ``spec`` as a policy: a policy kind as is, else ``get_policy(spec)``.
 
-  Accepts anything :func:`jaxmp.get_policy` takes, a :class:`jaxmp.PathPolicy`
-  and a :class:`jaxmp.flax.ModulePolicy`.
+  Accepts anything :func:`jaxmp.get_policy` takes and every policy kind
+  (:class:`jaxmp.PathPolicy`, :class:`jaxmp.flax.ModulePolicy`). The policy
+  of inputs and outputs is checked here, so that a rule-based policy without
+  a default fails at ``create``.
   """
-  if isinstance(spec, (PathPolicy, ModulePolicy)):
-    if spec.default is None:
-      raise ValueError(
-          f"A {type(spec).__name__} used as a TrainState policy needs a default "
-          "policy: it is used for the inputs and the loss. Pass default=... "
-          "(e.g. 'mixed_bfloat16')."
-      )
-    return spec
-  return get_policy(spec)
-
-
-def _default_policy(policy: Any) -> Policy:
-  """The policy of a train state's inputs and outputs."""
-  return policy if isinstance(policy, Policy) else policy.default
-
-
-def _cast_params_to_compute(policy: Any, params: Any) -> Any:
-  """Casts params for the forward pass; module policies cast inside modules."""
-  if isinstance(policy, ModulePolicy):
-    return params
-  return policy.cast_to_compute(params)
+  policy = spec if isinstance(spec, PolicyLike) else get_policy(spec)
+  policy.io_policy  # pylint: disable=pointless-statement
+  return policy
 
 
 class TrainState(train_state.TrainState):
@@ -139,10 +121,8 @@ class TrainState(train_state.TrainState):
           "TrainState.create: loss_scale must be a jaxmp loss scale such as "
           f"jaxmp.DynamicLossScale(); got {loss_scale!r}."
       )
-    if isinstance(policy, ModulePolicy):
-      apply_fn = policy.wrap_apply(apply_fn)
-    else:
-      params = policy.cast_to_param(params)
+    apply_fn = policy.wrap_apply(apply_fn)
+    params = policy.params_for_storage(params)
     abstract = jax.eval_shape(tx.init, params)
     is_state = lambda x: isinstance(x, LossScalingState)
     if any(is_state(x) for x in jax.tree_util.tree_leaves(abstract, is_leaf=is_state)):
@@ -201,10 +181,10 @@ class TrainState(train_state.TrainState):
           "jaxmp.flax.TrainState.create(..., policy='mixed_float16'), not with "
           "the constructor."
       )
-    io_policy = _default_policy(policy)
+    io_policy = policy.io_policy
 
     def run(params, *args, **kwargs):
-      params = _cast_params_to_compute(policy, params)
+      params = policy.params_for_compute(params)
       args, kwargs = io_policy.cast_to_compute((args, kwargs))
       return io_policy.cast_to_output(loss_fn(params, *args, **kwargs))
 

@@ -1,0 +1,126 @@
+"""Validation of configuration values: one checker per kind of value, one wording.
+
+Every public constructor and factory of jaxmp validates its configuration
+with these, so the same mistake gets the same exception class and the same
+sentence everywhere: ``TypeError`` for a value of the wrong kind (a string,
+``None``, a bool where a number is expected), ``ValueError`` for a value of
+the right kind outside its range.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def _as_real(value: Any) -> Any:
+  """A Python number for a real number given as Python, NumPy or a 0-d array.
+
+  Returns None for anything else (strings, None, bools, tracers, complex
+  numbers, arrays of another shape).
+  """
+  if isinstance(value, (bool, np.bool_)):
+    return None
+  if isinstance(value, jax.core.Tracer):
+    return None
+  if isinstance(value, numbers.Real):
+    return value.item() if isinstance(value, np.generic) else value
+  if isinstance(value, (np.ndarray, jax.Array)):
+    if value.shape == () and np.dtype(value.dtype).kind in "iuf":
+      return np.asarray(value).item()
+  return None
+
+
+def check_number(
+    owner: str,
+    name: str,
+    value: Any,
+    *,
+    integer: bool = False,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_minimum: bool = False,
+    exclusive_maximum: bool = False,
+    advice: str = "",
+) -> Any:
+  """Returns ``value`` as a Python ``int`` or ``float`` after checking it.
+
+  Accepts Python and NumPy numbers and concrete 0-d arrays. Infinite values
+  are refused unless ``maximum`` is ``math.inf``; nan is always refused.
+
+  Args:
+    owner: who checks, e.g. ``"DynamicLossScale"``; starts the message.
+    name: the argument's name.
+    value: the value.
+    integer: whether the value must be a whole number.
+    minimum: the smallest value allowed (or the bound, if exclusive).
+    maximum: the largest value allowed (or the bound, if exclusive).
+    exclusive_minimum: the minimum itself is not allowed.
+    exclusive_maximum: the maximum itself is not allowed.
+    advice: a sentence appended to the message, e.g. the usual choice.
+
+  Raises:
+    TypeError: if ``value`` is not a real number (or not whole when
+      ``integer``).
+    ValueError: if it is nan, infinite, or outside the range.
+  """
+  tail = f" {advice}" if advice else ""
+  kind = "an integer" if integer else "a number"
+  number = _as_real(value)
+  if number is None:
+    traced = isinstance(value, jax.core.Tracer)
+    got = "a traced value (configuration is static: pass a Python number)" if (
+        traced) else f"{value!r} of type {type(value).__name__}"
+    raise TypeError(f"{owner}: {name} must be {kind}, got {got}.{tail}")
+  if math.isnan(number):
+    raise ValueError(f"{owner}: {name} must be {kind}, got nan.{tail}")
+  if math.isinf(number) and maximum != math.inf:
+    raise ValueError(f"{owner}: {name} must be finite, got {number}.{tail}")
+  if integer:
+    if not float(number).is_integer():
+      raise TypeError(f"{owner}: {name} must be an integer, got {value!r}.{tail}")
+    number = int(number)
+  else:
+    number = float(number)
+  low_ok = minimum is None or (
+      number > minimum if exclusive_minimum else number >= minimum)
+  high_ok = maximum is None or (
+      number < maximum if exclusive_maximum else number <= maximum)
+  if not (low_ok and high_ok):
+    raise ValueError(
+        f"{owner}: {name} must be {_range_text(kind, minimum, maximum, exclusive_minimum, exclusive_maximum)}, "
+        f"got {value!r}.{tail}"
+    )
+  return number
+
+
+def _bound(x: float) -> str:
+  return str(int(x)) if float(x).is_integer() and abs(x) < 2**53 else f"{x:g}"
+
+
+def _range_text(kind, minimum, maximum, exclusive_minimum, exclusive_maximum):
+  parts = []
+  if minimum is not None:
+    parts.append(f"{'>' if exclusive_minimum else '>='} {_bound(minimum)}")
+  if maximum is not None and maximum != math.inf:
+    parts.append(f"{'<' if exclusive_maximum else '<='} {_bound(maximum)}")
+  return f"{kind} {' and '.join(parts)}" if parts else kind
+
+
+def check_bool(owner: str, name: str, value: Any, *, advice: str = "") -> bool:
+  """Returns ``value`` as a Python bool; refuses anything but a bool.
+
+  Raises:
+    TypeError: if ``value`` is not a Python or NumPy bool.
+  """
+  if not isinstance(value, (bool, np.bool_)):
+    tail = f" {advice}" if advice else ""
+    raise TypeError(
+        f"{owner}: {name} must be True or False, got {value!r} of type "
+        f"{type(value).__name__}.{tail}"
+    )
+  return bool(value)
