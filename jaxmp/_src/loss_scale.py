@@ -1,102 +1,107 @@
-"""Loss scales: no-op, static and dynamic, as pytrees.
+"""Loss scales: no-op, static and dynamic, as pytrees; ``all_finite``, ``select_tree``.
 
 State (the scale, counters) is arrays with explicit dtypes: float32 for the
 scale, int32 for counters. Configuration (period, factors, bounds, hysteresis)
 is static pytree metadata. A loss scale therefore passes through ``jax.jit``
 with every field intact and a jitted step does not retrace on its next call.
 
-Configuration is validated at construction, outside ``jit``. Values given as
-Python or NumPy numbers are checked and stored as NumPy arrays; JAX arrays
-(and tracers) are only checked for shape and dtype, so that rebuilding a loss
-scale from device arrays never synchronises with the host.
+Validation runs once, in the constructor (and so in ``dataclasses.replace``),
+on the values the user gives: Python and NumPy numbers and concrete arrays
+are checked by value; traced arrays, which cannot be read, by shape and dtype.
+It never runs when JAX rebuilds a loss scale from its leaves. JAX, and the
+libraries built on it, rebuild pytrees with leaves that are not state arrays:
+``jax.eval_shape`` with ``ShapeDtypeStruct``s, ``jit`` with shardings and
+``None``s, Equinox's ``filter_jit`` and ``partition`` with bool masks and
+``None``s, NNX with its variables. ``jax.tree_util.register_dataclass``
+rebuilds through the constructor, which would validate those leaves (and
+refuse them), so the loss scales are registered by :func:`_pytree_dataclass`
+instead: it derives the children (the state fields) and the auxiliary data
+(the fields marked static) from the dataclass fields, so no field can be
+forgotten (jmp's hand-written flattening forgot ``min_loss_scale``), and its
+unflatten sets the fields directly, without calling ``__init__``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
+import warnings
 from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+
+from jaxmp._src.validation import check_bool, check_number, check_state_value
 
 T = TypeVar("T")
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 INT32_MAX = int(np.iinfo(np.int32).max)
-_FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # 2**-126, the smallest normal
 
-
-class _Default:
-  """Marks a state field left to its default. Not ``None``: JAX rebuilds
-  pytrees with ``None`` leaves (``jit``'s shardings and layouts), and those
-  must stay ``None``."""
-
-  def __repr__(self):
-    return "<default>"
-
-
-_DEFAULT = _Default()
+_SCALE_ADVICE = (
+    "Pass a Python float or a float32 array; powers of two such as 2.0**15 "
+    "are typical. Scales below 2**-126, the smallest normal float32, are "
+    "flushed to 0 by XLA, which would skip every step."
+)
 
 
 def _static(**kwargs):
+  """A dataclass field that is configuration: pytree auxiliary data."""
   return dataclasses.field(metadata={"static": True}, **kwargs)
 
 
-def _state_value(value: Any, dtype: Any, name: str, cls: str) -> Any:
-  """Stores a state field as an array of ``dtype``.
+def _build(cls: type, values: dict[str, Any]) -> Any:
+  """An instance of ``cls`` with the given fields, without running ``__init__``."""
+  obj = object.__new__(cls)
+  for name, value in values.items():
+    object.__setattr__(obj, name, value)
+  return obj
 
-  Python and NumPy numbers become NumPy arrays (and are returned together with
-  their value for validation). JAX arrays and tracers are checked for dtype
-  only: they may carry leading axes, as the per-device copies that ``pmap``
-  stacks do. Anything else (e.g. placeholders that JAX puts in pytrees) is
-  passed through untouched.
+
+def _pytree_dataclass(cls: type[T]) -> type[T]:
+  """Makes ``cls`` a frozen dataclass and a pytree whose unflatten skips ``__init__``.
+
+  Fields declared with :func:`_static` are auxiliary data (they must be
+  hashable); all others are children, keyed by attribute name as
+  ``jax.tree_util.register_dataclass`` keys them.
   """
-  dtype = np.dtype(dtype)
-  if isinstance(value, jax.Array):
-    if value.dtype != dtype:
-      raise TypeError(
-          f"{cls}.{name} must be a scalar {dtype} array (or per-device "
-          f"copies of one, stacked by pmap), got dtype {value.dtype}. Pass a "
-          f"Python number or jnp.asarray(value, jnp.{dtype.name})."
-      )
-    return value
-  if isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{cls}.{name} must be a number, got the bool {value!r}.")
-  if isinstance(value, (numbers.Number, np.ndarray, np.generic)):
-    arr = np.asarray(value)
-    if arr.shape != ():
-      raise TypeError(f"{cls}.{name} must be a scalar, got shape {arr.shape}.")
-    if arr.dtype.kind == "f" and arr.dtype.itemsize < 4:
-      raise TypeError(
-          f"{cls}.{name} was given as {arr.dtype}, whose range is too small "
-          "for a loss scale (float16 overflows above 65504). Pass a Python "
-          "float or a float32 value."
-      )
-    if dtype.kind == "i":
-      if arr.dtype.kind not in "iu" and not float(arr).is_integer():
-        raise TypeError(f"{cls}.{name} must be an integer, got {value!r}.")
-    return np.asarray(arr, dtype)
-  return value
+  cls = dataclasses.dataclass(frozen=True, eq=False)(cls)
+  fields = dataclasses.fields(cls)
+  children = tuple(f.name for f in fields if not f.metadata.get("static"))
+  static = tuple(f.name for f in fields if f.metadata.get("static"))
+  keys = tuple(jax.tree_util.GetAttrKey(name) for name in children)
+
+  def flatten(obj):
+    return (tuple(getattr(obj, name) for name in children),
+            tuple(getattr(obj, name) for name in static))
+
+  def flatten_with_keys(obj):
+    leaves, aux = flatten(obj)
+    return tuple(zip(keys, leaves)), aux
+
+  def unflatten(aux, leaves):
+    return _build(cls, {**dict(zip(static, aux)), **dict(zip(children, leaves))})
+
+  jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+  return cls
 
 
-def _concrete(value: Any) -> float | None:
-  """The value of a NumPy state field, or None for JAX arrays and tracers."""
-  if isinstance(value, np.ndarray):
-    return value.item()
-  return None
+def _warn_if_integer_array(owner: str, name: str, value: Any) -> None:
+  """jmp's warning for an integer-typed array given where a float is expected.
 
-
-def _check_number(value: Any, name: str, cls: str, *, integer: bool = False):
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    kind = "an integer" if integer else "a number"
-    raise TypeError(f"{cls}: {name} must be {kind}, got {value!r}.")
-  if integer and not float(value).is_integer():
-    raise TypeError(f"{cls}: {name} must be an integer, got {value!r}.")
-  if math.isnan(value):
-    raise ValueError(f"{cls}: {name} must not be nan.")
+  Python ints are taken silently, as everywhere in jaxmp; an array whose dtype
+  is an integer dtype is converted to float32, and this says so.
+  """
+  dtype = getattr(value, "dtype", None)
+  if dtype is not None and np.dtype(dtype).kind in "iu":
+    warnings.warn(
+        f"Expected floating type for {name}, got {np.dtype(dtype)}: {owner} "
+        "converts it to float32. Pass a float value, e.g. jnp.float32(2**15).",
+        stacklevel=4,
+    )
 
 
 def _multiply(x: jax.Array, factor: float) -> jax.Array:
@@ -115,39 +120,112 @@ def _multiply(x: jax.Array, factor: float) -> jax.Array:
     return product.astype(jnp.float32)
 
 
-def _leaf_dtype(x: jax.Array) -> np.dtype:
-  """The dtype in which a leaf is scaled: its own, but at least float32."""
-  if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize >= 4:
-    return x.dtype
-  return np.dtype(jnp.float32)
+def at_least_float32(dtype: Any) -> np.dtype:
+  """The dtype jaxmp computes in for values of ``dtype``: at least float32.
+
+  Floating dtypes of 32 bits or more (float32, float64) and the complex
+  dtypes (complex64, complex128) are kept; anything narrower or not floating
+  (float16, bfloat16, float8, integers, bools) gives float32.
+  """
+  dtype = np.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return dtype
+  if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize >= 4:
+    return dtype
+  return np.dtype(np.float32)
+
+
+def _times(x: jax.Array, factor: jax.Array) -> jax.Array:
+  """``x * factor`` for a real float32 scalar ``factor``, in at least float32.
+
+  A complex ``x`` is multiplied part by part in its own precision, so its
+  imaginary part is kept and an infinite part stays infinite (a complex
+  product with ``factor + 0j`` would turn ``inf * 0`` into nan).
+  """
+  dtype = at_least_float32(x.dtype)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    factor = factor.astype(jnp.finfo(dtype).dtype)
+    return jax.lax.complex(jnp.real(x) * factor, jnp.imag(x) * factor)
+  return x.astype(dtype) * factor.astype(dtype)
+
+
+def _check_scalar_bool(caller: str, value: Any) -> jax.Array:
+  """``value`` as a scalar bool array, or a TypeError naming ``caller``."""
+  flag = jnp.asarray(value)
+  if flag.shape != () or flag.dtype != jnp.bool_:
+    raise TypeError(
+        f"{caller} expects a scalar boolean, got an array of shape "
+        f"{flag.shape} and dtype {flag.dtype}. Pass e.g. "
+        "jaxmp.all_finite(grads), or reduce an array first with jnp.all(x)."
+    )
+  return flag
+
+
+def _same_value(a: Any, b: Any) -> bool:
+  """Whether two state leaves are equal, for ``LossScale.__eq__``."""
+  if a is b:
+    return True
+  if isinstance(a, jax.core.Tracer) or isinstance(b, jax.core.Tracer):
+    raise TypeError(
+        "Loss scales holding traced arrays (inside jit, grad or vmap) cannot "
+        "be compared with ==: the result would have to be a Python bool. "
+        "Compare their arrays instead, e.g. "
+        "jnp.array_equal(a.loss_scale, b.loss_scale)."
+    )
+  array_like = (np.ndarray, np.generic, jax.Array, int, float)
+  if isinstance(a, array_like) and isinstance(b, array_like):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and bool(np.array_equal(a, b, equal_nan=True))
+  return bool(a == b)
 
 
 class LossScale:
   """Base class of the loss scales: ``scale``, ``unscale`` and ``adjust``.
 
   Subclasses provide ``loss_scale`` (a float32 scalar array) and ``adjust``.
+
+  Two loss scales are equal (``==``) when they are of the same type, have
+  the same configuration and hold equal state (the same values, nan equal to
+  nan); comparing loss scales whose state is traced raises ``TypeError``.
+  The hash is that of the type and the configuration, so loss scales can be
+  dict keys or static arguments while their state changes.
   """
 
   loss_scale: Any
+
+  def _state_fields(self) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(self)
+                 if not f.metadata.get("static"))
+
+  def __eq__(self, other: Any) -> bool:
+    if type(other) is not type(self):
+      return NotImplemented
+    if self.config() != other.config():
+      return False
+    return all(_same_value(getattr(self, name), getattr(other, name))
+               for name in self._state_fields())
+
+  def __hash__(self) -> int:
+    return hash(tuple(self.config().items()))
 
   def scale(self, tree: T) -> T:
     """Multiplies each leaf by the loss scale, computing in at least float32.
 
     A float16 or bfloat16 loss is promoted to float32 before the product, so
-    the scaled loss cannot overflow here.
+    the scaled loss cannot overflow here. Complex leaves are scaled in their
+    own precision (complex64 stays complex64), real and imaginary parts alike.
     """
-    scale = jnp.asarray(self.loss_scale)
-
-    def scale_leaf(x):
-      x = jnp.asarray(x)
-      dtype = _leaf_dtype(x)
-      return x.astype(dtype) * scale.astype(dtype)
-
-    return jax.tree_util.tree_map(scale_leaf, tree)
+    scale = jnp.asarray(self.loss_scale, jnp.float32)
+    return jax.tree_util.tree_map(lambda x: _times(jnp.asarray(x), scale), tree)
 
   def unscale(self, tree: T) -> T:
-    """Divides each leaf by the loss scale; each leaf keeps its own dtype."""
-    scale = jnp.asarray(self.loss_scale)
+    """Divides each leaf by the loss scale; each leaf keeps its own dtype.
+
+    The division is computed in at least float32 (complex leaves in their own
+    precision, real and imaginary parts alike) and the result is cast back to
+    the leaf's dtype.
+    """
+    scale = jnp.asarray(self.loss_scale, jnp.float32)
     # XLA divides by a scalar as a product with its reciprocal, and above
     # 2**126 that reciprocal is a float32 subnormal, which the CPU and TPU
     # flush to zero. There, multiply by 1 / (scale / 4) and then by 1 / 4
@@ -157,9 +235,7 @@ class LossScale:
 
     def unscale_leaf(x):
       x = jnp.asarray(x)
-      dtype = _leaf_dtype(x)
-      unscaled = x.astype(dtype) * inverse.astype(dtype) * rest.astype(dtype)
-      return unscaled.astype(x.dtype)
+      return _times(_times(x, inverse), rest).astype(x.dtype)
 
     return jax.tree_util.tree_map(unscale_leaf, tree)
 
@@ -194,20 +270,12 @@ class LossScale:
     return config
 
 
-def _check_finite_flag(grads_finite: Any) -> jax.Array:
-  flag = jnp.asarray(grads_finite)
-  if flag.shape != () or flag.dtype != jnp.bool_:
-    raise TypeError(
-        "adjust expects a scalar boolean, e.g. jaxmp.all_finite(grads); got "
-        f"shape {flag.shape} and dtype {flag.dtype}."
-    )
-  return flag
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, eq=False)
+@_pytree_dataclass
 class NoOpLossScale(LossScale):
   """A loss scale of 1 that never changes: for float32 and bfloat16.
+
+  It has no state and no configuration: ``scale`` and ``unscale`` return the
+  tree they are given, and all instances are equal.
 
   Example:
     >>> import jax.numpy as jnp, jaxmp
@@ -226,12 +294,11 @@ class NoOpLossScale(LossScale):
     return tree
 
   def adjust(self, grads_finite: Any) -> NoOpLossScale:
-    _check_finite_flag(grads_finite)
+    _check_scalar_bool("adjust", grads_finite)
     return self
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, eq=False)
+@_pytree_dataclass
 class StaticLossScale(LossScale):
   """A constant loss scale.
 
@@ -239,7 +306,16 @@ class StaticLossScale(LossScale):
   so a new value does not recompile a jitted step.
 
   Args:
-    loss_scale: the scale, a positive finite number.
+    loss_scale: the scale: a Python or NumPy number or a scalar array
+      (concrete ones are checked by value, traced ones by shape and dtype),
+      finite and at least ``2**-126``, the smallest normal float32. It is
+      stored as float32.
+
+  Raises:
+    TypeError: if ``loss_scale`` is not a real number (a string, ``None``, a
+      bool, a complex number, an array of another shape).
+    ValueError: if it is nan, infinite, or below ``2**-126`` (0, negative,
+      or a float32 subnormal such as ``1e-40``, which XLA flushes to 0).
 
   Example:
     >>> import jax.numpy as jnp, jaxmp
@@ -250,23 +326,18 @@ class StaticLossScale(LossScale):
   loss_scale: Any
 
   def __post_init__(self):
-    cls = type(self).__name__
-    value = _state_value(self.loss_scale, np.float32, "loss_scale", cls)
-    object.__setattr__(self, "loss_scale", value)
-    scale = _concrete(value)
-    if scale is not None and not (math.isfinite(scale) and scale > 0):
-      raise ValueError(
-          f"{cls}: loss_scale must be positive and finite, got {scale}. "
-          "Typical values are powers of two such as 2.0**15."
-      )
+    owner = type(self).__name__
+    _warn_if_integer_array(owner, "loss_scale", self.loss_scale)
+    object.__setattr__(self, "loss_scale", check_state_value(
+        owner, "loss_scale", self.loss_scale, np.float32,
+        minimum=FLOAT32_TINY, maximum=FLOAT32_MAX, advice=_SCALE_ADVICE))
 
   def adjust(self, grads_finite: Any) -> StaticLossScale:
-    _check_finite_flag(grads_finite)
+    _check_scalar_bool("adjust", grads_finite)
     return self
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True, eq=False)
+@_pytree_dataclass
 class DynamicLossScale(LossScale):
   """A loss scale that backs off on overflow and grows after clean steps.
 
@@ -288,28 +359,45 @@ class DynamicLossScale(LossScale):
 
   With ``hysteresis=1`` this is jmp's and PyTorch's ``GradScaler`` rule.
 
+  Every argument is validated here, once. Configuration values (``period``
+  ... ``consecutive_hysteresis``) are Python or NumPy numbers or concrete
+  0-d arrays and are stored as Python numbers. State values (``loss_scale``,
+  ``counter``, ``hysteresis_left``, ``overflows_at_min``) may also be traced
+  arrays, which are checked by shape and dtype only; they are stored as
+  float32 and int32 arrays.
+
   Args:
-    loss_scale: the initial scale (default ``2**15``).
-    counter: finite steps since the last growth or overflow (state).
-    period: number of consecutive finite steps before the scale grows.
-    factor: the growth factor, > 1.
+    loss_scale: the initial scale (default ``2**15``), within
+      ``[min_loss_scale, max_loss_scale]`` and at least ``2**-126``.
+    counter: finite steps since the last growth or overflow (state), in
+      ``[0, period)``.
+    period: number of consecutive finite steps before the scale grows, in
+      ``[1, 2**31 - 1]``.
+    factor: the growth factor, a finite number > 1.
     min_loss_scale: the scale never backs off below this (>= 0), nor below
       ``2**-126``, the smallest normal float32, so it never becomes 0.
     backoff_factor: multiplier on overflow, in (0, 1); default ``1/factor``.
-    max_loss_scale: the scale never grows above this; default the largest
-      finite float32, so the scale never becomes inf.
+    max_loss_scale: the scale never grows above this (at least
+      ``min_loss_scale``); default (or ``inf``) the largest finite float32,
+      so the scale never becomes inf.
     hysteresis: how many overflows are tolerated before the scale backs off
-      (DeepSpeed's ``hysteresis``); 1 backs off on every overflow.
+      (DeepSpeed's ``hysteresis``), in ``[1, 2**31 - 1]``; 1 backs off on
+      every overflow.
     consecutive_hysteresis: refill the hysteresis budget on every finite
       step, not only when the scale grows (DeepSpeed's option of that name).
-    hysteresis_left: the remaining hysteresis budget (state); default
-      ``hysteresis``.
-    overflows_at_min: overflows seen at the minimum scale (state).
+    hysteresis_left: the remaining hysteresis budget (state), in
+      ``[1, hysteresis]``; default ``hysteresis``.
+    overflows_at_min: overflows seen at the minimum scale (state), >= 0.
 
   Raises:
-    ValueError: for a non-positive or non-finite scale, ``period < 1``,
-      ``factor <= 1``, ``backoff_factor`` outside (0, 1),
-      ``min_loss_scale > loss_scale``, ``hysteresis < 1`` and the like.
+    TypeError: for a value of the wrong kind: a string, ``None``, a bool
+      where a number is expected, a non-whole number where an integer is
+      expected, an array that is not a scalar, a traced floating counter.
+    ValueError: for a value out of range: a nan, infinite, non-positive or
+      subnormal scale, a scale outside ``[min_loss_scale, max_loss_scale]``,
+      ``period < 1``, ``factor <= 1``, ``backoff_factor`` outside (0, 1),
+      ``hysteresis < 1``, a counter outside its range, an integer that does
+      not fit int32.
 
   Example:
     >>> import jax.numpy as jnp, jaxmp
@@ -331,108 +419,72 @@ class DynamicLossScale(LossScale):
   max_loss_scale: float | None = _static(default=None, kw_only=True)
   hysteresis: int = _static(default=1, kw_only=True)
   consecutive_hysteresis: bool = _static(default=False, kw_only=True)
-  hysteresis_left: Any = dataclasses.field(default=_DEFAULT, kw_only=True)
+  hysteresis_left: Any = dataclasses.field(default=None, kw_only=True)
   overflows_at_min: Any = dataclasses.field(default=0, kw_only=True)
 
   def __post_init__(self):
-    cls = type(self).__name__
+    owner = type(self).__name__
     setf = lambda name, value: object.__setattr__(self, name, value)
-    _check_number(self.period, "period", cls, integer=True)
-    if not 1 <= self.period <= INT32_MAX:
-      raise ValueError(
-          f"{cls}: period must be an integer between 1 and {INT32_MAX} "
-          f"(the number of finite steps before the scale grows), got "
-          f"{self.period}. 2000 is the usual choice."
-      )
-    setf("period", int(self.period))
-    _check_number(self.factor, "factor", cls)
-    if not (self.factor > 1 and math.isfinite(self.factor)):
-      raise ValueError(
-          f"{cls}: factor must be a finite number > 1 (the growth factor), got "
-          f"{self.factor}. 2.0 is the usual choice; use StaticLossScale for a "
-          "scale that never changes."
-      )
-    setf("factor", float(self.factor))
-    backoff = 1.0 / self.factor if self.backoff_factor is None else self.backoff_factor
-    _check_number(backoff, "backoff_factor", cls)
-    if not 0 < backoff < 1:
-      raise ValueError(
-          f"{cls}: backoff_factor must lie strictly between 0 and 1, got "
-          f"{backoff}. 0.5 halves the scale on each overflow."
-      )
-    setf("backoff_factor", float(backoff))
-    _check_number(self.min_loss_scale, "min_loss_scale", cls)
-    if not (self.min_loss_scale >= 0 and math.isfinite(self.min_loss_scale)):
-      raise ValueError(
-          f"{cls}: min_loss_scale must be finite and >= 0, got "
-          f"{self.min_loss_scale}."
-      )
-    setf("min_loss_scale", float(self.min_loss_scale))
-    max_scale = FLOAT32_MAX if self.max_loss_scale is None else self.max_loss_scale
-    _check_number(max_scale, "max_loss_scale", cls)
-    if not max_scale >= max(self.min_loss_scale, np.finfo(np.float32).tiny):
-      raise ValueError(
-          f"{cls}: max_loss_scale ({max_scale}) must be positive and at least "
-          f"min_loss_scale ({self.min_loss_scale})."
-      )
-    setf("max_loss_scale", float(min(max_scale, FLOAT32_MAX)))
-    _check_number(self.hysteresis, "hysteresis", cls, integer=True)
-    if self.hysteresis < 1:
-      raise ValueError(
-          f"{cls}: hysteresis must be an integer >= 1, got {self.hysteresis}. "
-          "1 backs off on every overflow; DeepSpeed's default is 2."
-      )
-    setf("hysteresis", int(self.hysteresis))
-    if not isinstance(self.consecutive_hysteresis, (bool, np.bool_)):
-      raise TypeError(
-          f"{cls}: consecutive_hysteresis must be a bool, got "
-          f"{self.consecutive_hysteresis!r}."
-      )
-    setf("consecutive_hysteresis", bool(self.consecutive_hysteresis))
-
-    scale = _state_value(self.loss_scale, np.float32, "loss_scale", cls)
-    counter = _state_value(self.counter, np.int32, "counter", cls)
-    left = self.hysteresis if self.hysteresis_left is _DEFAULT else self.hysteresis_left
-    left = _state_value(left, np.int32, "hysteresis_left", cls)
-    overflows = _state_value(self.overflows_at_min, np.int32, "overflows_at_min", cls)
-    setf("loss_scale", scale)
-    setf("counter", counter)
-    setf("hysteresis_left", left)
-    setf("overflows_at_min", overflows)
-
-    value = _concrete(scale)
-    if value is not None:
-      if not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            f"{cls}: loss_scale must be positive and finite, got {value}. "
-            "Typical initial values are powers of two such as 2.0**15."
-        )
-      if value < np.float32(self.min_loss_scale):
-        raise ValueError(
-            f"{cls}: min_loss_scale ({self.min_loss_scale}) is above the "
-            f"initial loss_scale ({value}); lower min_loss_scale or raise "
-            "loss_scale."
-        )
-      if value > self.max_loss_scale:
-        raise ValueError(
-            f"{cls}: the initial loss_scale ({value}) is above max_loss_scale "
-            f"({self.max_loss_scale}); lower loss_scale or raise max_loss_scale."
-        )
-    value = _concrete(counter)
-    if value is not None and not 0 <= value < self.period:
-      raise ValueError(
-          f"{cls}: counter must lie in [0, period), got {value} with period "
-          f"{self.period}."
-      )
-    value = _concrete(left)
-    if value is not None and not 1 <= value <= self.hysteresis:
-      raise ValueError(
-          f"{cls}: hysteresis_left must lie in [1, hysteresis], got {value} "
-          f"with hysteresis {self.hysteresis}."
-      )
-    value = _concrete(overflows)
-    if value is not None and value < 0:
-      raise ValueError(f"{cls}: overflows_at_min must be >= 0, got {value}.")
+    # Configuration.
+    period = check_number(
+        owner, "period", self.period, integer=True, minimum=1, maximum=INT32_MAX,
+        advice="It is the number of finite steps before the scale grows; "
+        "2000 is the usual choice.")
+    factor = check_number(
+        owner, "factor", self.factor, minimum=1, exclusive_minimum=True,
+        advice="It is the growth factor; 2.0 is the usual choice. Use "
+        "StaticLossScale for a scale that never changes.")
+    backoff = 1.0 / factor if self.backoff_factor is None else self.backoff_factor
+    backoff = check_number(
+        owner, "backoff_factor", backoff, minimum=0, maximum=1,
+        exclusive_minimum=True, exclusive_maximum=True,
+        advice="It multiplies the scale on each overflow; 0.5 halves it.")
+    _warn_if_integer_array(owner, "min_loss_scale", self.min_loss_scale)
+    min_scale = check_number(
+        owner, "min_loss_scale", self.min_loss_scale, minimum=0,
+        maximum=FLOAT32_MAX,
+        advice="The scale never backs off below it; 1.0 is the usual choice.")
+    max_scale = math.inf
+    if self.max_loss_scale is not None:
+      max_scale = check_number(
+          owner, "max_loss_scale", self.max_loss_scale,
+          minimum=max(min_scale, FLOAT32_TINY), maximum=math.inf,
+          advice=f"The scale never grows above it, so it must be positive "
+          f"and at least min_loss_scale ({min_scale}). Pass None for no "
+          "limit but the largest finite float32.")
+    max_scale = min(max_scale, FLOAT32_MAX)
+    hysteresis = check_number(
+        owner, "hysteresis", self.hysteresis, integer=True, minimum=1,
+        maximum=INT32_MAX,
+        advice="It is how many overflows are tolerated before the scale backs "
+        "off: 1 backs off on every overflow; DeepSpeed's default is 2.")
+    consecutive = check_bool(owner, "consecutive_hysteresis",
+                             self.consecutive_hysteresis)
+    for name, value in [("period", period), ("factor", factor),
+                        ("backoff_factor", backoff), ("min_loss_scale", min_scale),
+                        ("max_loss_scale", max_scale), ("hysteresis", hysteresis),
+                        ("consecutive_hysteresis", consecutive)]:
+      setf(name, value)
+    # State.
+    _warn_if_integer_array(owner, "loss_scale", self.loss_scale)
+    setf("loss_scale", check_state_value(
+        owner, "loss_scale", self.loss_scale, np.float32,
+        minimum=max(min_scale, FLOAT32_TINY), maximum=max_scale,
+        advice=f"The initial scale must lie within [min_loss_scale, "
+        f"max_loss_scale] = [{min_scale:g}, {max_scale:g}]: change "
+        f"loss_scale or those bounds. {_SCALE_ADVICE}"))
+    setf("counter", check_state_value(
+        owner, "counter", self.counter, np.int32, minimum=0, maximum=period - 1,
+        advice="It counts the finite steps since the last growth or overflow, "
+        "so it lies in [0, period); start with 0."))
+    left = hysteresis if self.hysteresis_left is None else self.hysteresis_left
+    setf("hysteresis_left", check_state_value(
+        owner, "hysteresis_left", left, np.int32, minimum=1, maximum=hysteresis,
+        advice="It is the overflows still tolerated, so it lies in "
+        "[1, hysteresis]; leave it out to start with hysteresis."))
+    setf("overflows_at_min", check_state_value(
+        owner, "overflows_at_min", self.overflows_at_min, np.int32, minimum=0,
+        advice="It counts the overflows at the minimum scale; start with 0."))
 
   def metrics(self) -> dict[str, jax.Array]:
     metrics = super().metrics()
@@ -445,8 +497,15 @@ class DynamicLossScale(LossScale):
 
     Args:
       grads_finite: scalar bool, e.g. ``jaxmp.all_finite(grads)``.
+
+    Returns:
+      A :class:`DynamicLossScale` with the same configuration and the next
+      state.
+
+    Raises:
+      TypeError: if ``grads_finite`` is not a scalar boolean.
     """
-    finite = _check_finite_flag(grads_finite)
+    finite = _check_scalar_bool("adjust", grads_finite)
     scale = jnp.asarray(self.loss_scale)
     counter = jnp.asarray(self.counter)
     left = jnp.asarray(self.hysteresis_left)
@@ -466,27 +525,32 @@ class DynamicLossScale(LossScale):
     # Non-finite step.
     use_budget = left > 1
     # Never below the smallest normal float32: smaller scales are flushed to 0.
-    floor = np.float32(max(self.min_loss_scale, _FLOAT32_TINY))
+    floor = np.float32(max(self.min_loss_scale, FLOAT32_TINY))
     backed_off = jnp.maximum(_multiply(scale, self.backoff_factor), floor)
     overflow_scale = jnp.where(use_budget, scale, backed_off)
     overflow_left = jnp.where(use_budget, left - 1, left)
     at_min = jnp.logical_not(use_budget) & (scale <= floor)
 
-    return dataclasses.replace(
-        self,
-        loss_scale=jnp.where(finite, finite_scale, overflow_scale),
-        counter=jnp.where(finite, finite_counter, jnp.int32(0)),
-        hysteresis_left=jnp.where(finite, finite_left, overflow_left),
-        overflows_at_min=overflows
+    # The next state follows from a valid one by the rule, so it is built
+    # without the constructor's checks (which would read it back to the host
+    # when not under jit).
+    return _build(type(self), {
+        **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+        "loss_scale": jnp.where(finite, finite_scale, overflow_scale),
+        "counter": jnp.where(finite, finite_counter, jnp.int32(0)),
+        "hysteresis_left": jnp.where(finite, finite_left, overflow_left),
+        "overflows_at_min": overflows
         + jnp.logical_and(jnp.logical_not(finite), at_min).astype(jnp.int32),
-    )
+    })
 
 
 def all_finite(tree: Any) -> jax.Array:
   """Returns a scalar bool array: true iff no leaf of ``tree`` holds inf or nan.
 
-  An empty tree is finite. Works under ``jit``; under ``jit`` with sharded
-  arrays the reduction is global (XLA inserts the all-reduce).
+  An empty tree (``{}``, ``None``) is finite. A complex value is finite when
+  both its real and imaginary parts are; integer and bool leaves are always
+  finite. Works under ``jit``; under ``jit`` with sharded arrays the
+  reduction is global (XLA inserts the all-reduce).
 
   Example:
     >>> import jax.numpy as jnp, jaxmp
@@ -505,13 +569,21 @@ def all_finite(tree: Any) -> jax.Array:
 def select_tree(pred: Any, a: T, b: T) -> T:
   """Returns ``a`` where the scalar bool ``pred`` is true, else ``b``, leafwise.
 
+  As jmp's ``select_tree``: the two trees must have the same structure, and
+  their leaves the same shapes and dtypes (nothing is broadcast or
+  promoted), so the result has the dtypes of ``a`` and ``b``.
+
   Args:
     pred: a scalar boolean (array).
     a: a pytree.
     b: a pytree of the same structure, shapes and dtypes as ``a``.
 
+  Returns:
+    A pytree of the structure of ``a``.
+
   Raises:
-    TypeError: if ``pred`` is not a scalar boolean.
+    TypeError: if ``pred`` is not a scalar boolean, or two leaves have
+      different dtypes.
     ValueError: if ``a`` and ``b`` do not have the same structure and shapes.
 
   Example:
@@ -519,13 +591,7 @@ def select_tree(pred: Any, a: T, b: T) -> T:
     >>> jaxmp.select_tree(jnp.array(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})
     {'w': Array([0., 0.], dtype=float32)}
   """
-  pred = jnp.asarray(pred)
-  if pred.shape != () or pred.dtype != jnp.bool_:
-    raise TypeError(
-        "select_tree expects a scalar boolean predicate, got an array of "
-        f"shape {pred.shape} and dtype {pred.dtype}. Reduce it first, e.g. "
-        "with jaxmp.all_finite(tree) or jnp.all(x)."
-    )
+  pred = _check_scalar_bool("select_tree", pred)
   struct_a = jax.tree_util.tree_structure(a)
   struct_b = jax.tree_util.tree_structure(b)
   if struct_a != struct_b:
@@ -535,10 +601,17 @@ def select_tree(pred: Any, a: T, b: T) -> T:
     )
   for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a),
                           jax.tree_util.tree_leaves(b)):
+    where = jax.tree_util.keystr(path)
     if jnp.shape(x) != jnp.shape(y):
       raise ValueError(
-          f"select_tree: the leaves at {jax.tree_util.keystr(path)} have shapes "
-          f"{jnp.shape(x)} and {jnp.shape(y)}. Pass two pytrees of the same "
-          "shapes, e.g. the new and the old value of the same state."
+          f"select_tree: the leaves at {where} have shapes {jnp.shape(x)} and "
+          f"{jnp.shape(y)}. Pass two pytrees of the same shapes, e.g. the new "
+          "and the old value of the same state."
       )
-  return jax.tree_util.tree_map(lambda x, y: jnp.where(pred, x, y), a, b)
+    if jnp.result_type(x) != jnp.result_type(y):
+      raise TypeError(
+          f"select_tree: the leaves at {where} have dtypes "
+          f"{jnp.result_type(x)} and {jnp.result_type(y)}. Pass two pytrees of "
+          "the same dtypes, e.g. the new and the old value of the same state."
+      )
+  return optax.tree.where(pred, a, b)

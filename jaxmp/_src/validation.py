@@ -124,3 +124,68 @@ def check_bool(owner: str, name: str, value: Any, *, advice: str = "") -> bool:
         f"{type(value).__name__}.{tail}"
     )
   return bool(value)
+
+
+def check_state_value(
+    owner: str,
+    name: str,
+    value: Any,
+    dtype: Any,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    advice: str = "",
+) -> Any:
+  """Returns ``value`` as a scalar state array of ``dtype`` after checking it.
+
+  State values (a loss scale, a counter) may be Python or NumPy numbers or
+  JAX arrays, concrete or traced. A concrete value is checked by value, as
+  :func:`check_number` checks a number (a whole number when ``dtype`` is an
+  integer dtype), within ``[minimum, maximum]`` and always within the range
+  of ``dtype``. It is returned as a NumPy array of ``dtype``, or as the given
+  JAX array when that already has ``dtype`` (and is not weakly typed), so
+  that it stays where it is. A traced value cannot be read: its shape and the
+  kind of its dtype are checked, and it is converted to ``dtype``.
+
+  Args:
+    owner: who checks, e.g. ``"DynamicLossScale"``; starts the message.
+    name: the argument's name.
+    value: the value.
+    dtype: the dtype of the state array, e.g. ``np.float32`` or ``np.int32``.
+    minimum: the smallest value allowed (default: the smallest of ``dtype``).
+    maximum: the largest value allowed (default: the largest of ``dtype``).
+    advice: a sentence appended to the message, e.g. the usual choice.
+
+  Raises:
+    TypeError: if ``value`` is not a scalar real number (a bool, a string,
+      ``None``, a complex number, an array of another shape), is not whole
+      when ``dtype`` is an integer dtype, or is traced with a dtype that does
+      not convert to ``dtype`` without loss (a floating value for a counter).
+    ValueError: if a concrete value is nan, infinite or outside the range.
+  """
+  dtype = np.dtype(dtype)
+  integer = dtype.kind in "iu"
+  info = np.iinfo(dtype) if integer else np.finfo(dtype)
+  minimum = float(info.min) if minimum is None else max(minimum, float(info.min))
+  maximum = float(info.max) if maximum is None else min(maximum, float(info.max))
+  tail = f" {advice}" if advice else ""
+  kind = "an integer" if integer else "a number"
+  shape = getattr(value, "shape", ())
+  if shape != ():
+    raise TypeError(
+        f"{owner}: {name} must be a scalar, got an array of shape "
+        f"{tuple(shape)}.{tail}"
+    )
+  if isinstance(value, jax.core.Tracer):
+    source = np.dtype(value.dtype)
+    if source.kind not in ("iu" if integer else "iuf"):
+      raise TypeError(
+          f"{owner}: {name} must be {kind}, got a traced {source} value. "
+          f"Pass a {dtype} array.{tail}"
+      )
+    return jax.lax.convert_element_type(value, dtype)
+  number = check_number(owner, name, value, integer=integer, minimum=minimum,
+                        maximum=maximum, advice=advice)
+  if isinstance(value, jax.Array) and value.dtype == dtype and not value.weak_type:
+    return value
+  return np.asarray(number, dtype)
