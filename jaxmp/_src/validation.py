@@ -14,6 +14,7 @@ import numbers
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -30,9 +31,19 @@ def _as_real(value: Any) -> Any:
   if isinstance(value, numbers.Real):
     return value.item() if isinstance(value, np.generic) else value
   if isinstance(value, (np.ndarray, jax.Array)):
-    if value.shape == () and np.dtype(value.dtype).kind in "iuf":
+    if value.shape == () and _is_real_dtype(value.dtype):
       return np.asarray(value).item()
   return None
+
+
+def _is_real_dtype(dtype: Any, *, integer: bool = False) -> bool:
+  """Whether ``dtype`` is an integer dtype or (unless ``integer``) a floating one.
+
+  ``jnp.issubdtype`` knows the dtypes NumPy does not (bfloat16, float8).
+  """
+  if jnp.issubdtype(dtype, jnp.integer):
+    return True
+  return not integer and jnp.issubdtype(dtype, jnp.floating)
 
 
 def check_number(
@@ -178,7 +189,7 @@ def check_state_value(
     )
   if isinstance(value, jax.core.Tracer):
     source = np.dtype(value.dtype)
-    if source.kind not in ("iu" if integer else "iuf"):
+    if not _is_real_dtype(source, integer=integer):
       raise TypeError(
           f"{owner}: {name} must be {kind}, got a traced {source} value. "
           f"Pass a {dtype} array.{tail}"
