@@ -192,7 +192,7 @@ def check_state_value(
     if not _is_real_dtype(source, integer=integer):
       raise TypeError(
           f"{owner}: {name} must be {kind}, got a traced {source} value. "
-          f"Pass a {dtype} array.{tail}"
+          f"Pass an array of dtype {dtype}.{tail}"
       )
     return jax.lax.convert_element_type(value, dtype)
   number = check_number(owner, name, value, integer=integer, minimum=minimum,
