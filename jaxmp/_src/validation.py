@@ -155,8 +155,9 @@ def check_state_value(
   integer dtype), within ``[minimum, maximum]`` and always within the range
   of ``dtype``. It is returned as a NumPy array of ``dtype``, or as the given
   JAX array when that already has ``dtype`` (and is not weakly typed), so
-  that it stays where it is. A traced value cannot be read: its shape and the
-  kind of its dtype are checked, and it is converted to ``dtype``.
+  that it stays where it is. A traced value (or an array spread over several
+  processes) cannot be read here: its shape and the kind of its dtype are
+  checked, and it is converted to ``dtype``.
 
   Args:
     owner: who checks, e.g. ``"DynamicLossScale"``; starts the message.
@@ -187,7 +188,9 @@ def check_state_value(
         f"{owner}: {name} must be a scalar, got an array of shape "
         f"{tuple(shape)}.{tail}"
     )
-  if isinstance(value, jax.core.Tracer):
+  unreadable = isinstance(value, jax.core.Tracer) or (
+      isinstance(value, jax.Array) and not value.is_fully_addressable)
+  if unreadable:
     source = np.dtype(value.dtype)
     if not _is_real_dtype(source, integer=integer):
       raise TypeError(
