@@ -14,7 +14,7 @@ libraries built on it, rebuild pytrees with leaves that are not state arrays:
 ``None``s, Equinox's ``filter_jit`` and ``partition`` with bool masks and
 ``None``s, NNX with its variables. ``jax.tree_util.register_dataclass``
 rebuilds through the constructor, which would validate those leaves (and
-refuse them), so the loss scales are registered by :func:`_pytree_dataclass`
+refuse them), so the loss scales are registered by :func:`_register_pytree`
 instead: it derives the children (the state fields) and the auxiliary data
 (the fields marked static) from the dataclass fields, so no field can be
 forgotten (jmp's hand-written flattening forgot ``min_loss_scale``), and its
@@ -61,14 +61,15 @@ def _build(cls: type, values: dict[str, Any]) -> Any:
   return obj
 
 
-def _pytree_dataclass(cls: type[T]) -> type[T]:
-  """Makes ``cls`` a frozen dataclass and a pytree whose unflatten skips ``__init__``.
+def _register_pytree(cls: type[T]) -> type[T]:
+  """Registers the dataclass ``cls`` as a pytree whose unflatten skips ``__init__``.
 
   Fields declared with :func:`_static` are auxiliary data (they must be
   hashable); all others are children, keyed by attribute name as
-  ``jax.tree_util.register_dataclass`` keys them.
+  ``jax.tree_util.register_dataclass`` keys them. Apply it above
+  ``@dataclasses.dataclass(frozen=True, eq=False)`` (``eq=False`` keeps
+  :meth:`LossScale.__eq__`).
   """
-  cls = dataclasses.dataclass(frozen=True, eq=False)(cls)
   fields = dataclasses.fields(cls)
   children = tuple(f.name for f in fields if not f.metadata.get("static"))
   static = tuple(f.name for f in fields if f.metadata.get("static"))
@@ -270,7 +271,8 @@ class LossScale:
     return config
 
 
-@_pytree_dataclass
+@_register_pytree
+@dataclasses.dataclass(frozen=True, eq=False)
 class NoOpLossScale(LossScale):
   """A loss scale of 1 that never changes: for float32 and bfloat16.
 
@@ -298,7 +300,8 @@ class NoOpLossScale(LossScale):
     return self
 
 
-@_pytree_dataclass
+@_register_pytree
+@dataclasses.dataclass(frozen=True, eq=False)
 class StaticLossScale(LossScale):
   """A constant loss scale.
 
@@ -337,7 +340,8 @@ class StaticLossScale(LossScale):
     return self
 
 
-@_pytree_dataclass
+@_register_pytree
+@dataclasses.dataclass(frozen=True, eq=False)
 class DynamicLossScale(LossScale):
   """A loss scale that backs off on overflow and grows after clean steps.
 
