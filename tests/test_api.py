@@ -26,7 +26,7 @@ PUBLIC = {
 }
 
 FLAX_PUBLIC = {
-    "TrainState", "ModulePolicy", "nnx_scaled_value_and_grad",
+    "TrainState", "ModulePolicy", "nnx_scaled_value_and_grad", "nnx_keep_on_skip",
     "save_checkpoint", "restore_checkpoint", "loss_scale_config",
 }
 
