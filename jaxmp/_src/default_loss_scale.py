@@ -13,9 +13,19 @@ def as_policy(spec: Any) -> PolicyLike:
 
   Accepts anything :func:`jaxmp.get_policy` takes and every policy kind
   (:class:`jaxmp.Policy`, :class:`jaxmp.PathPolicy`,
-  :class:`jaxmp.flax.ModulePolicy`).
+  :class:`jaxmp.flax.ModulePolicy`, or any class with the members of
+  :class:`PolicyLike`).
   """
-  return spec if isinstance(spec, PolicyLike) else get_policy(spec)
+  # The members are looked up on the class: ``isinstance(spec, PolicyLike)``
+  # would evaluate the ``io_policy`` property, which raises for a rule-based
+  # policy without a default.
+  if not isinstance(spec, str) and all(
+      hasattr(type(spec), name) for name in _POLICY_MEMBERS):
+    return spec
+  return get_policy(spec)
+
+
+_POLICY_MEMBERS = tuple(name for name in vars(PolicyLike) if not name.startswith("_"))
 
 
 def default_loss_scale(policy: Any) -> LossScale:
