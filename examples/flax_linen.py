@@ -5,6 +5,7 @@ it under the policy (float16 compute, float32 master weights and logits) with
 dynamic loss scaling, and a ModulePolicy keeps the LayerNorm in float32.
 
     python examples/flax_linen.py --steps 300
+    python examples/flax_linen.py --policy mixed_bfloat16  # no loss scaling
 """
 
 from __future__ import annotations
@@ -44,38 +45,49 @@ def load_data(seed: int):
   return (x[:1500], y[:1500]), (x[1500:], y[1500:])
 
 
+def create_state(policy: str = "mixed_float16", seed: int = 0,
+                 learning_rate: float = 3e-3) -> jaxmp.flax.TrainState:
+  """The model under ``policy``, but for the LayerNorm, which stays float32."""
+  model = MLP()
+  params = model.init(jax.random.key(seed), jnp.ones((1, 64)))["params"]
+  module_policy = jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default=policy)
+  # No loss_scale given: create picks jaxmp.default_loss_scale(policy), a
+  # DynamicLossScale under float16 and none under bfloat16.
+  return jaxmp.flax.TrainState.create(
+      apply_fn=model.apply, params=params, tx=optax.adam(learning_rate),
+      policy=module_policy)
+
+
+@jax.jit
+def train_step(state, x, y):
+
+  def loss_fn(params, x, y):
+    logits = state.apply_fn({"params": params}, x)  # float32 logits
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  loss, grads = state.value_and_grad(loss_fn)(state.params, x, y)
+  return state.apply_gradients(grads=grads), loss
+
+
+@jax.jit
+def accuracy(state, x, y):
+  logits = state.apply_fn({"params": state.params}, x)
+  return jnp.mean(jnp.argmax(logits, -1) == y)
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--batch-size", type=int, default=128)
   parser.add_argument("--learning-rate", type=float, default=3e-3)
+  parser.add_argument("--policy", default="mixed_float16",
+                      help="the policy of every module but the LayerNorm")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
 
   (x_train, y_train), (x_test, y_test) = load_data(args.seed)
-  model = MLP()
-  params = model.init(jax.random.key(args.seed), jnp.ones((1, 64)))["params"]
-  # float16 compute everywhere except the LayerNorm, which stays in float32.
-  policy = jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"},
-                                   default="mixed_float16")
-  state = jaxmp.flax.TrainState.create(
-      apply_fn=model.apply, params=params, tx=optax.adam(args.learning_rate),
-      policy=policy, loss_scale=jaxmp.DynamicLossScale(2.0**15, period=100))
-
-  @jax.jit
-  def train_step(state, x, y):
-
-    def loss_fn(params, x, y):
-      logits = state.apply_fn({"params": params}, x)  # float32 logits
-      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    loss, grads = state.value_and_grad(loss_fn)(state.params, x, y)
-    return state.apply_gradients(grads=grads), loss
-
-  @jax.jit
-  def accuracy(state, x, y):
-    logits = state.apply_fn({"params": state.params}, x)
-    return jnp.mean(jnp.argmax(logits, -1) == y)
+  state = create_state(args.policy, args.seed, args.learning_rate)
+  policy = state.policy
 
   rng = np.random.default_rng(args.seed)
   loss = jnp.nan

@@ -5,11 +5,13 @@ the layers' compute dtype (float16, the LayerNorm float32) without touching
 the model code; nnx_scaled_value_and_grad gives the scaled gradients.
 
     python examples/flax_nnx.py --steps 300
+    python examples/flax_nnx.py --policy mixed_bfloat16  # no loss scaling
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -44,14 +46,22 @@ def load_data(seed: int):
   return (x[:1500], y[:1500]), (x[1500:], y[1500:])
 
 
-POLICY = jaxmp.get_policy("mixed_float16")
+def create(policy: jaxmp.Policy, seed: int = 0, learning_rate: float = 3e-3):
+  """The model, its layers set to compute under ``policy`` (the LayerNorm in
+  float32), and its optimizer with the loss scale the policy needs."""
+  model = MLP(nnx.Rngs(seed))
+  jaxmp.flax.ModulePolicy({nnx.LayerNorm: "float32"}, default=policy).set_nnx_dtypes(model)
+  # A DynamicLossScale under float16, none under bfloat16.
+  loss_scale = jaxmp.default_loss_scale(policy)
+  optimizer = nnx.Optimizer(
+      model, jaxmp.loss_scaling(optax.adam(learning_rate), loss_scale), wrt=nnx.Param)
+  return model, optimizer
 
 
-@nnx.jit
-def train_step(model, optimizer, x, y):
+def train_step(model, optimizer, x, y, policy: jaxmp.Policy):
 
   def loss_fn(model):
-    logits = POLICY.cast_to_output(model(POLICY.cast_to_compute(x)))
+    logits = policy.cast_to_output(model(policy.cast_to_compute(x)))
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
   loss_scale = jaxmp.get_loss_scale(optimizer.opt_state)
@@ -70,23 +80,22 @@ def main(argv=None) -> dict:
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--batch-size", type=int, default=128)
   parser.add_argument("--learning-rate", type=float, default=3e-3)
+  parser.add_argument("--policy", default="mixed_float16",
+                      help="the policy of every module but the LayerNorm")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
 
   (x_train, y_train), (x_test, y_test) = load_data(args.seed)
-  model = MLP(nnx.Rngs(args.seed))
-  jaxmp.flax.ModulePolicy({nnx.LayerNorm: "float32"}, default=POLICY).set_nnx_dtypes(model)
-  optimizer = nnx.Optimizer(
-      model,
-      jaxmp.loss_scaling(optax.adam(args.learning_rate),
-                         jaxmp.DynamicLossScale(2.0**15, period=100)),
-      wrt=nnx.Param)
+  policy = jaxmp.get_policy(args.policy)
+  model, optimizer = create(policy, args.seed, args.learning_rate)
+  # The policy is fixed for the run: bound before jitting.
+  step = nnx.jit(functools.partial(train_step, policy=policy))
 
   rng = np.random.default_rng(args.seed)
   loss = jnp.nan
   for _ in range(args.steps):
     index = rng.integers(0, len(x_train), args.batch_size)
-    loss = train_step(model, optimizer, x_train[index], y_train[index])
+    loss = step(model, optimizer, x_train[index], y_train[index])
   jaxmp.check_loss_scale(optimizer.opt_state)  # raises if fp16 could not cope
 
   metrics = jax.device_get(jaxmp.loss_scaling_metrics(optimizer.opt_state))
@@ -100,7 +109,7 @@ def main(argv=None) -> dict:
       "param_dtypes": sorted({str(p.dtype) for p in jax.tree_util.tree_leaves(params)}),
   }
   print(
-      f"NNX MLP on digits, policy {POLICY} (LayerNorm in float32): "
+      f"NNX MLP on digits, policy {policy} (LayerNorm in float32): "
       f"{summary['steps']} steps ({summary['skipped_steps']} skipped), "
       f"final loss {summary['final_loss']:.4f}, test accuracy "
       f"{summary['test_accuracy']:.3f}, loss scale {summary['loss_scale']:g}, "

@@ -8,6 +8,7 @@ really overflow: those steps are skipped, the scale backs off, and training
 goes on. Prints loss, loss scale and skipped steps as it goes.
 
     python examples/quickstart.py --steps 300
+    python examples/quickstart.py --policy mixed_bfloat16  # no loss scaling
 """
 
 from __future__ import annotations
@@ -50,6 +51,34 @@ def forward(params, x):
   return x
 
 
+def make_optimizer(policy: jaxmp.Policy, init_scale: float = 2.0**24):
+  """adamw wrapped with loss scaling: dynamic under float16, none otherwise."""
+  if policy.needs_loss_scaling:
+    loss_scale = jaxmp.DynamicLossScale(init_scale, period=100)
+  else:
+    loss_scale = jaxmp.NoOpLossScale()
+  return jaxmp.loss_scaling(optax.adamw(3e-3), loss_scale)
+
+
+def make_train_step(policy: jaxmp.Policy, tx):
+  """The jitted step: forward and backward in the compute dtype."""
+
+  def loss_fn(params, x, y):
+    logits = forward(policy.cast_to_compute(params), policy.cast_to_compute(x))
+    logits = policy.cast_to_output(logits)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  @jax.jit
+  def train_step(params, opt_state, x, y):
+    loss_scale = jaxmp.get_loss_scale(opt_state)
+    loss, grads = jaxmp.scaled_value_and_grad(loss_fn, loss_scale)(params, x, y)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, loss, jaxmp.loss_scaling_metrics(opt_state)
+
+  return train_step
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--steps", type=int, default=300)
@@ -67,25 +96,10 @@ def main(argv=None) -> int:
 
   (x_train, y_train), (x_test, y_test) = load_digits()
   params = init_params(jax.random.key(0))
-  if policy.needs_loss_scaling:
-    loss_scale = jaxmp.DynamicLossScale(args.init_scale, period=100)
-  else:
-    loss_scale = jaxmp.NoOpLossScale()
-  tx = jaxmp.loss_scaling(optax.adamw(3e-3), loss_scale)
+  tx = make_optimizer(policy, args.init_scale)
   opt_state = tx.init(params)
-
-  def loss_fn(params, x, y):
-    logits = forward(policy.cast_to_compute(params), policy.cast_to_compute(x))
-    logits = policy.cast_to_output(logits)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-  @jax.jit
-  def train_step(params, opt_state, x, y):
-    loss_scale = jaxmp.get_loss_scale(opt_state)
-    loss, grads = jaxmp.scaled_value_and_grad(loss_fn, loss_scale)(params, x, y)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    return params, opt_state, loss, jaxmp.loss_scaling_metrics(opt_state)
+  loss_scale = jaxmp.get_loss_scale(opt_state)
+  train_step = make_train_step(policy, tx)
 
   @jax.jit
   def accuracy(params, x, y):

@@ -8,6 +8,7 @@ live in :mod:`jaxmp.flax`.
 from jaxmp._src.accumulation import multi_steps
 from jaxmp._src.checks import LossScaleAtMinimumError, check_loss_scale
 from jaxmp._src.deepspeed import from_deepspeed_config
+from jaxmp._src.default_loss_scale import default_loss_scale
 from jaxmp._src.diagnostics import (
     dtype_headroom,
     finite_mask,
@@ -63,6 +64,7 @@ __all__ = [
     "NoOpLossScale",
     "StaticLossScale",
     "DynamicLossScale",
+    "default_loss_scale",
     "all_finite",
     "select_tree",
     # The optax wrapper.

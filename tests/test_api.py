@@ -11,7 +11,7 @@ PUBLIC = {
     "cast_to_half", "hardware_report", "HardwareReport", "PathPolicy",
     # Loss scales.
     "LossScale", "NoOpLossScale", "StaticLossScale", "DynamicLossScale",
-    "all_finite", "select_tree",
+    "default_loss_scale", "all_finite", "select_tree",
     # The optax wrapper.
     "loss_scaling", "LossScalingState", "get_loss_scale", "loss_scaling_metrics",
     "scaled_value_and_grad", "check_loss_scale", "LossScaleAtMinimumError",
@@ -26,7 +26,7 @@ PUBLIC = {
 }
 
 FLAX_PUBLIC = {
-    "TrainState", "ModulePolicy", "nnx_scaled_value_and_grad",
+    "TrainState", "ModulePolicy", "nnx_scaled_value_and_grad", "nnx_keep_on_skip",
     "save_checkpoint", "restore_checkpoint", "loss_scale_config",
 }
 

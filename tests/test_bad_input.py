@@ -8,8 +8,10 @@ or NumPy.
 """
 
 import dataclasses
+import os
 import pathlib
 import re
+import tempfile
 import traceback
 from typing import Any, Callable
 
@@ -386,6 +388,96 @@ CASES = [
          r"param_shardings must have the structure of params",
          r"one sharding or PartitionSpec per leaf"),
 ]
+
+
+# -- Flax: TrainState, NNX and checkpoints --------------------------------------
+
+
+class FieldState(jaxmp.flax.TrainState):
+  ema: Any
+
+
+def field_state():
+  return FieldState.create(apply_fn=None, params=PARAMS, tx=optax.sgd(0.1), ema=PARAMS)
+
+
+def keep_on_skip_without_loss_scaling():
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  with jaxmp.flax.nnx_keep_on_skip(model, optimizer):
+    pass
+
+
+def restore_saved(save, target, **kwargs):
+  """Saves with ``save(path)`` into a fresh folder, then restores into ``target``."""
+
+  def call():
+    with tempfile.TemporaryDirectory() as folder:
+      path = os.path.join(folder, "ckpt")
+      save(path)
+      return jaxmp.flax.restore_checkpoint(path, target, **kwargs)
+
+  return call
+
+
+def save_plain_orbax(path):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(path, STATE)
+  checkpointer.wait_until_finished()
+
+
+WIDE = {"w": jnp.ones(3), "b": jnp.ones(1)}
+FLAX_CASES = [
+    Case("TrainState.create: tx is None",
+         lambda: jaxmp.flax.TrainState.create(apply_fn=None, params=PARAMS, tx=None),
+         TypeError, r"tx must be an optax\.GradientTransformation .*got None",
+         r"such as optax\.adamw\(1e-3\)"),
+    Case("TrainState.apply_gradients: a field the state does not declare",
+         lambda: field_state().apply_gradients(grads=PARAMS, batch_stats={}),
+         TypeError, r"'batch_stats' is not a field of the state",
+         r"Declare it in a subclass .*batch_stats: Any"),
+    Case("TrainState.apply_gradients: a field of another structure",
+         lambda: field_state().apply_gradients(grads=PARAMS, ema={"ema": PARAMS}),
+         ValueError, r"apply_gradients\(ema=\.\.\.\): the new value has the tree structure",
+         r"give the first value to create"),
+    Case("TrainState.apply_gradients: a field of another shape",
+         lambda: field_state().apply_gradients(grads=PARAMS, ema=WIDE),
+         ValueError, r"at \['w'\] the new value has shape \(3,\) and the state \(2,\)",
+         r"the shapes must agree"),
+    Case("nnx_keep_on_skip: an optimizer without loss scaling",
+         keep_on_skip_without_loss_scaling, ValueError,
+         r"nnx_keep_on_skip: no jaxmp\.loss_scaling state found",
+         r"Wrap the optimizer with jaxmp\.loss_scaling"),
+    Case("restore_checkpoint: no such directory",
+         lambda: jaxmp.flax.restore_checkpoint("/nonexistent/step_1", STATE),
+         FileNotFoundError, r"there is no checkpoint at /nonexistent/step_1",
+         r"Pass the directory given to jaxmp\.flax\.save_checkpoint"),
+    Case("restore_checkpoint: the parent folder of the checkpoints",
+         restore_saved(lambda path: os.makedirs(os.path.join(path, "step_1")), STATE),
+         ValueError, r"is not a checkpoint .*its entries: step_1",
+         r"Pass the directory of one checkpoint"),
+    Case("restore_checkpoint: a plain orbax checkpoint",
+         restore_saved(save_plain_orbax, STATE), ValueError,
+         r"is a plain orbax checkpoint .*holds no loss-scale configuration",
+         r"Pass check_config=False to restore its arrays"),
+    Case("restore_checkpoint: saved for another optimizer",
+         restore_saved(lambda path: jaxmp.flax.save_checkpoint(path, STATE),
+                       jaxmp.loss_scaling(optax.adam(0.1), jaxmp.DynamicLossScale()).init(PARAMS),
+                       check_config=False),
+         ValueError, r"only in the target: inner_state/0/count, "
+         r"inner_state/0/mu/b", r"Build the target with the model and optimizer that wrote it"),
+    Case("restore_checkpoint: saved for other shapes",
+         restore_saved(lambda path: jaxmp.flax.save_checkpoint(path, (PARAMS, STATE)),
+                       (WIDE, TX.init(WIDE))),
+         ValueError, r"0/w: \(2,\) in the checkpoint, \(3,\) in the target",
+         r"Build the target with the model configuration that wrote it"),
+]
+
+CASES += FLAX_CASES
 
 
 def test_the_catalogue_is_large_and_distinct():

@@ -112,6 +112,21 @@ def test_plain_orbax_round_trip_keeps_config(tmp_path):
   assert restored.loss_scale.hysteresis == 2 and restored.loss_scale.period == 3
 
 
+def test_plain_orbax_checkpoint_restores_unchecked_when_asked(tmp_path):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  state = make_state()
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "plain", state)
+  checkpointer.wait_until_finished()
+  with pytest.raises(ValueError, match="plain orbax checkpoint.*check_config=False"):
+    jaxmp.flax.restore_checkpoint(tmp_path / "plain", jax.eval_shape(make_state))
+  restored = jaxmp.flax.restore_checkpoint(
+      tmp_path / "plain", jax.eval_shape(make_state), check_config=False)
+  chex.assert_trees_all_equal(arrays(restored), arrays(state))
+  assert restored.loss_scale.hysteresis == 2  # from the target
+
+
 class NnxMLP(nnx.Module):
 
   def __init__(self, rngs):

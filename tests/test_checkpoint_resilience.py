@@ -260,3 +260,41 @@ def test_any_changed_configuration_field_is_named(tmp_path, field, value):
   assert "check_config=False" in message
   restored = jaxmp.flax.restore_checkpoint(tmp_path / "ckpt", target, check_config=False)
   assert getattr(restored.loss_scale, field) == value  # the target's, as asked
+
+
+# ---------------------------------------------------------------------------
+# A checkpoint of another optimizer or model size: refused before orbax reads.
+
+
+@pytest.mark.parametrize("other", ["optimizer", "shapes"])
+def test_a_mismatched_checkpoint_is_refused_quietly_before_any_array_is_read(
+    tmp_path, other, capfd, caplog):
+  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", make_state())
+  if other == "optimizer":
+    target = make_state(tx=optax.sgd(0.1, momentum=0.9))
+    expected = (r"only in the checkpoint: opt_state/inner_state/0/count, "
+                r"opt_state/inner_state/0/mu/Dense_0/bias, .* and 3 more; "
+                r"only in the target: opt_state/inner_state/0/trace/Dense_0/bias")
+  else:
+
+    class Wider(nn.Module):
+
+      @nn.compact
+      def __call__(self, x):
+        return nn.Dense(2)(nn.tanh(nn.Dense(16)(x)))
+
+    params = Wider().init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+    target = jaxmp.flax.TrainState.create(
+        apply_fn=Wider().apply, params=params, tx=optax.adamw(1e-2),
+        policy="mixed_float16", loss_scale=BURST_SCALE)
+    expected = (r"shapes \(params/Dense_0/kernel: \(8, 2\) in the checkpoint, "
+                r"\(16, 2\) in the target; params/Dense_1/bias: \(8,\) in the "
+                r"checkpoint, \(16,\) in the target; .* and 3 more\), so it was "
+                r"saved for a model of another size")
+  capfd.readouterr()
+  for check_config in (True, False):
+    with pytest.raises(ValueError, match=expected):
+      jaxmp.flax.restore_checkpoint(tmp_path / "ckpt", target, check_config=check_config)
+  captured = capfd.readouterr()
+  assert captured.err == "" and captured.out == ""
+  assert not [r for r in caplog.records if r.levelno >= 30]  # no warnings logged

@@ -141,3 +141,87 @@ def test_scaled_value_and_grad_matches_manual_scaling():
   with pytest.raises(TypeError, match="pair"):
     jaxmp.flax.nnx_scaled_value_and_grad(
         loss_fn, jaxmp.StaticLossScale(2.0), has_aux=True)(model)
+
+
+class BatchNormMLP(nnx.Module):
+
+  def __init__(self, rngs):
+    self.dense1 = nnx.Linear(4, 16, rngs=rngs)
+    self.norm = nnx.BatchNorm(16, momentum=0.9, rngs=rngs)
+    self.dense2 = nnx.Linear(16, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.dense2(nnx.relu(self.norm(self.dense1(x))))
+
+
+def batch_stats_of(model):
+  return jax.tree_util.tree_map(
+      jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat)))
+
+
+def make_batch_norm():
+  model = BatchNormMLP(nnx.Rngs(0))
+  jaxmp.flax.ModulePolicy({}, default=POLICY).set_nnx_dtypes(model)
+  optimizer = nnx.Optimizer(
+      model, jaxmp.loss_scaling(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**8)),
+      wrt=nnx.Param)
+  return model, optimizer
+
+
+def batch_norm_step(model, optimizer, x, y):
+  """Returns the statistics the forward pass computed, before any restore."""
+
+  def loss_fn(model):
+    logits = POLICY.cast_to_output(model(POLICY.cast_to_compute(x)))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+  with jaxmp.flax.nnx_keep_on_skip(model, optimizer):
+    _, grads = jaxmp.flax.nnx_scaled_value_and_grad(
+        loss_fn, jaxmp.get_loss_scale(optimizer.opt_state))(model)
+    optimizer.update(model, grads)
+    computed = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+  return computed
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_keep_on_skip_keeps_batch_stats_bit_identical_and_a_finite_step_writes_them(jit):
+  step = nnx.jit(batch_norm_step) if jit else batch_norm_step
+  model, optimizer = make_batch_norm()
+  x, y = batch()
+  step(model, optimizer, x, y)
+  stats_before, params_before = batch_stats_of(model), params_of(model)
+  poisoned = step(model, optimizer, x.at[0, 0].set(jnp.inf), y)
+  assert not jaxmp.all_finite(poisoned)  # the forward pass did poison them
+  metrics = jaxmp.loss_scaling_metrics(optimizer.opt_state)
+  assert int(metrics["skipped_steps"]) == 1
+  stats_after = batch_stats_of(model)
+  chex.assert_trees_all_equal(stats_after, stats_before)
+  for a, b in zip(jax.tree_util.tree_leaves(stats_after),
+                  jax.tree_util.tree_leaves(stats_before)):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+  chex.assert_trees_all_equal(params_of(model), params_before)
+  model.eval()  # eval on the running averages still works
+  assert jaxmp.all_finite(model(x))
+  model.train()
+  computed = step(model, optimizer, x, y)
+  assert bool(jaxmp.loss_scaling_metrics(optimizer.opt_state)["last_finite"])
+  chex.assert_trees_all_equal(batch_stats_of(model), computed)
+  changed = jax.tree_util.tree_map(
+      lambda a, b: bool(jnp.any(a != b)), batch_stats_of(model), stats_before)
+  assert all(jax.tree_util.tree_leaves(changed))
+
+
+def test_keep_on_skip_takes_any_filter_and_refuses_a_block_without_update():
+  model, optimizer = make_batch_norm()
+  x, y = batch()
+  # A filter that also keeps the parameters: they are kept anyway by the wrapper.
+  with jaxmp.flax.nnx_keep_on_skip(model, optimizer, keep=(nnx.BatchStat, nnx.Param)):
+    _, grads = jaxmp.flax.nnx_scaled_value_and_grad(
+        lambda m: jnp.mean(m(x.at[0, 0].set(jnp.nan)) ** 2),
+        jaxmp.get_loss_scale(optimizer.opt_state))(model)
+    optimizer.update(model, grads)
+  assert int(jaxmp.loss_scaling_metrics(optimizer.opt_state)["skipped_steps"]) == 1
+  assert jaxmp.all_finite(nnx.state(model))
+  with pytest.raises(ValueError, match="optimizer.update was not called inside"):
+    with jaxmp.flax.nnx_keep_on_skip(model, optimizer):
+      model(x)

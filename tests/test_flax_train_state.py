@@ -1,6 +1,9 @@
 """Tests of jaxmp.flax.TrainState: a Linen MLP under mixed_float16."""
 
+from typing import Any
+
 import chex
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -58,6 +61,53 @@ def train_step(state, x, y):
 def changed_leaves(a, b):
   return jax.tree_util.tree_leaves(
       jax.tree_util.tree_map(lambda u, v: bool(jnp.any(u != v)), a, b))
+
+
+def assert_bit_identical(a, b):
+  """Same structure, dtypes and bits (so -0.0 differs from 0.0)."""
+  chex.assert_trees_all_equal_structs(a, b)
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape
+    assert x.tobytes() == y.tobytes()
+
+
+class BatchNormMLP(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.Dense(16)(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+    return nn.Dense(3)(nn.relu(x))
+
+
+class BatchNormState(jaxmp.flax.TrainState):
+  batch_stats: Any  # no default needed
+
+
+def make_batch_norm_state():
+  model = BatchNormMLP()
+  variables = model.init(jax.random.key(0), jnp.ones((1, 4)), train=False)
+  return BatchNormState.create(
+      apply_fn=model.apply, params=variables["params"], tx=optax.adam(1e-2),
+      policy="mixed_float16", loss_scale=jaxmp.DynamicLossScale(2.0**8),
+      batch_stats=variables["batch_stats"])
+
+
+def batch_norm_step(state, x, y):
+  """The Flax BatchNorm recipe: the new stats go to apply_gradients."""
+
+  def loss_fn(params, x, y):
+    logits, updates = state.apply_fn(
+        {"params": params, "batch_stats": state.batch_stats}, x, train=True,
+        mutable=["batch_stats"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), y).mean()
+    return loss, updates["batch_stats"]
+
+  (_, new_stats), grads = state.value_and_grad(loss_fn, has_aux=True)(
+      state.params, x, y)
+  return state.apply_gradients(grads=grads, batch_stats=new_stats), new_stats
 
 
 class TrainStateTest(parameterized.TestCase):
@@ -218,3 +268,89 @@ def test_module_policy_state_layernorm_in_float32():
   state, loss, logits = jax.jit(train_step)(state, x, y)
   assert logits.dtype == F32 and np.isfinite(loss) and bool(state.metrics["last_finite"])
   assert {p.dtype for p in jax.tree_util.tree_leaves(state.params)} == {F32}
+
+
+class ApplyGradientsFieldsTest(parameterized.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_skipped_step_keeps_batch_stats_bit_identical_and_a_finite_one_writes_them(self):
+    step = self.variant(batch_norm_step)
+    state = make_batch_norm_state()
+    x, y = batch()
+    state, _ = step(state, x, y)
+    stats_before, params_before = state.batch_stats, state.params
+    # One inf pixel: the new statistics are poisoned and the step is skipped.
+    state, poisoned = step(state, x.at[0, 0].set(jnp.inf), y)
+    assert not jaxmp.all_finite(poisoned)
+    assert int(state.metrics["skipped_steps"]) == 1 and int(state.step) == 2
+    assert_bit_identical(state.batch_stats, stats_before)
+    assert_bit_identical(state.params, params_before)
+    # Eval on the running averages still works.
+    logits = state.apply_fn(
+        {"params": state.params, "batch_stats": state.batch_stats}, x, train=False)
+    assert jaxmp.all_finite(logits)
+    # A finite step writes exactly the statistics the model returned.
+    state, new_stats = step(state, x, y)
+    assert bool(state.metrics["last_finite"])
+    assert_bit_identical(state.batch_stats, new_stats)
+    assert all(changed_leaves(state.batch_stats, stats_before))
+
+
+def test_subclass_fields_need_no_default_and_policy_stays_static():
+  state = make_batch_norm_state()
+  assert [f for f in BatchNormState.__dataclass_fields__][-1] == "batch_stats"
+  assert state.policy == jaxmp.get_policy("mixed_float16")
+  # batch_stats is a leaf, the policy is not.
+  leaves = jax.tree_util.tree_leaves(state)
+  assert not any(isinstance(leaf, jaxmp.Policy) for leaf in leaves)
+  assert len(leaves) == len(jax.tree_util.tree_leaves(
+      (state.step, state.params, state.opt_state, state.batch_stats)))
+  x, y = batch()
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(state, x, y):
+    return batch_norm_step(state, x, y)[0]
+
+  state = step(step(state, x, y), x, y)
+  assert isinstance(state, BatchNormState) and int(state.step) == 2
+  assert state.policy == jaxmp.get_policy("mixed_float16")
+  with pytest.raises(TypeError, match="batch_stats"):
+    BatchNormState.create(apply_fn=None, params={}, tx=optax.sgd(0.1))
+
+
+def test_apply_gradients_keeps_the_fields_dtypes_and_replaces_static_ones():
+
+  class State(jaxmp.flax.TrainState):
+    ema: Any
+    note: str = flax.struct.field(pytree_node=False, default="")
+
+  params = {"w": jnp.ones(2)}
+  state = State.create(apply_fn=None, params=params, tx=optax.sgd(0.1),
+                       policy="mixed_float16", ema=params)
+  # A float16 value is stored in the field's float32; static fields as given.
+  finite = state.apply_gradients(grads={"w": jnp.ones(2)},
+                                 ema={"w": jnp.full(2, 0.5, F16)}, note="a")
+  assert finite.ema["w"].dtype == F32 and finite.note == "a"
+  np.testing.assert_array_equal(finite.ema["w"], [0.5, 0.5])
+  skipped = finite.apply_gradients(grads={"w": jnp.full(2, jnp.nan)},
+                                   ema={"w": jnp.zeros(2)}, note="b")
+  assert_bit_identical(skipped.ema, finite.ema)
+  assert skipped.note == "b"
+  np.testing.assert_array_equal(skipped.params["w"], finite.params["w"])
+
+
+def test_create_passes_axis_name_so_replicas_skip_together():
+  state = make_state(tx=optax.sgd(0.1), axis_name="replicas")
+  x, y = batch()
+  replicated = jax.tree_util.tree_map(lambda a: jnp.stack([a, a]), state)
+  xs = jnp.stack([x, x.at[0, 0].set(jnp.inf)])  # an overflow on one replica
+  ys = jnp.stack([y, y])
+
+  def step(state, x, y):
+    new_state, _, _ = train_step(state, x, y)
+    return new_state
+
+  stepped = jax.vmap(step, axis_name="replicas")(replicated, xs, ys)
+  np.testing.assert_array_equal(stepped.metrics["skipped_steps"], [1, 1])
+  chex.assert_trees_all_equal(stepped.params, replicated.params)

@@ -3,7 +3,8 @@
 * :class:`TrainState` wraps a Linen model's optimizer with
   :func:`jaxmp.loss_scaling` and runs the loss under a policy.
 * For NNX, ``nnx.Optimizer(model, jaxmp.loss_scaling(...), wrt=nnx.Param)``
-  works as it is; :func:`nnx_scaled_value_and_grad` gives the scaled gradients.
+  works as it is; :func:`nnx_scaled_value_and_grad` gives the scaled gradients
+  and :func:`nnx_keep_on_skip` keeps the BatchNorm statistics on skipped steps.
 * :class:`ModulePolicy` runs chosen modules (``nn.LayerNorm``, ``"head"``) under
   their own policy, for Linen and NNX models.
 * :func:`save_checkpoint` / :func:`restore_checkpoint` use orbax and check the
@@ -16,13 +17,14 @@ from jaxmp._src.flax.checkpoint import (
     save_checkpoint,
 )
 from jaxmp._src.flax.module_policy import ModulePolicy
-from jaxmp._src.flax.nnx import nnx_scaled_value_and_grad
+from jaxmp._src.flax.nnx import nnx_keep_on_skip, nnx_scaled_value_and_grad
 from jaxmp._src.flax.train_state import TrainState
 
 __all__ = [
     "TrainState",
     "ModulePolicy",
     "nnx_scaled_value_and_grad",
+    "nnx_keep_on_skip",
     "save_checkpoint",
     "restore_checkpoint",
     "loss_scale_config",

@@ -12,12 +12,19 @@ not slip through a resume unnoticed.
 from __future__ import annotations
 
 import os
+import pathlib
 from typing import Any
 
 import jax
 
 from jaxmp._src.loss_scale import LossScale
-from jaxmp._src.loss_scaling import LossScalingState
+from jaxmp._src.loss_scaling import LossScalingState, _find_states
+
+# The items of a checkpoint written by save_checkpoint (orbax subdirectories).
+_STATE = "state"
+_CONFIG = "jaxmp_config"
+# How many differing paths an error lists.
+_SHOWN = 6
 
 
 def _is_nnx_node(x: Any) -> bool:
@@ -31,14 +38,16 @@ def _is_nnx_node(x: Any) -> bool:
 
 
 def _loss_scales(target: Any) -> list[LossScale]:
-  is_state = lambda x: isinstance(x, LossScalingState)
+  """The loss scales of the loss-scaling states in a pytree or NNX graph."""
   if _is_nnx_node(target):
     from flax import nnx  # pylint: disable=g-import-not-at-top
 
-    nodes = [node for _, node in nnx.iter_graph(target)]
+    # nnx.state would turn the LossScalingState into a plain mapping.
+    states = [node for _, node in nnx.iter_graph(target)
+              if isinstance(node, LossScalingState)]
   else:
-    nodes = jax.tree_util.tree_leaves(target, is_leaf=is_state)
-  return [node.loss_scale for node in nodes if is_state(node)]
+    states = _find_states(target)
+  return [state.loss_scale for state in states]
 
 
 def loss_scale_config(target: Any) -> dict[str, Any]:
@@ -91,6 +100,99 @@ def _checkpointer():
   return ocp, ocp.Checkpointer(ocp.CompositeCheckpointHandler())
 
 
+def _path(key_path: tuple[Any, ...]) -> str:
+  """``opt_state/inner_state/0/mu/kernel``: a key path as orbax names it."""
+  names = []
+  for key in key_path:
+    for attribute in ("key", "idx", "name"):
+      if hasattr(key, attribute):
+        names.append(str(getattr(key, attribute)))
+        break
+    else:
+      names.append(str(key))
+  return "/".join(names)
+
+
+def _listing(paths: list[str], separator: str = ", ") -> str:
+  shown = separator.join(paths[:_SHOWN])
+  if len(paths) > _SHOWN:
+    shown += f" and {len(paths) - _SHOWN} more"
+  return shown
+
+
+def _check_arrays(directory: pathlib.Path, items: Any) -> None:
+  """Compares the saved arrays' paths and shapes with the target's; explains.
+
+  Orbax would refuse the same mismatches, with a tree dump, a TensorStore
+  spec and tracebacks on stderr; this reads only the checkpoint's metadata.
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  try:
+    metadata = ocp.StandardCheckpointHandler().metadata(directory).tree
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    raise ValueError(
+        f"restore_checkpoint: cannot read the array metadata in {directory} "
+        f"({type(e).__name__}: {e}). The checkpoint is incomplete or was not "
+        "written by orbax: save it again with jaxmp.flax.save_checkpoint."
+    ) from None
+  saved = {_path(k): leaf for k, leaf in jax.tree_util.tree_leaves_with_path(metadata)}
+  target = {_path(k): leaf for k, leaf in jax.tree_util.tree_leaves_with_path(items)}
+  only_saved = [path for path in saved if path not in target]
+  only_target = [path for path in target if path not in saved]
+  if only_saved or only_target:
+    parts = []
+    if only_saved:
+      parts.append(f"only in the checkpoint: {_listing(only_saved)}")
+    if only_target:
+      parts.append(f"only in the target: {_listing(only_target)}")
+    raise ValueError(
+        "restore_checkpoint: the checkpoint and the target hold different "
+        f"arrays ({'; '.join(parts)}), so it was saved for another model or "
+        "optimizer (optax.adam's mu and nu against optax.sgd's trace, say). "
+        "Build the target with the model and optimizer that wrote it. To "
+        "change the optimizer, restore into that target, then start the new "
+        "one from its params: TrainState.create(..., params=restored.params, "
+        "tx=new_optimizer)."
+    )
+  shapes = [
+      f"{path}: {tuple(saved[path].shape)} in the checkpoint, "
+      f"{tuple(leaf.shape)} in the target"
+      for path, leaf in target.items()
+      if hasattr(leaf, "shape") and tuple(saved[path].shape) != tuple(leaf.shape)
+  ]
+  if shapes:
+    raise ValueError(
+        "restore_checkpoint: the arrays of the checkpoint and of the target "
+        f"have different shapes ({_listing(shapes, '; ')}), so it was saved for a "
+        "model of another size. Build the target with the model "
+        "configuration that wrote it (layer sizes, vocabulary, batch "
+        "dimensions of the state)."
+    )
+
+
+def _kind_of_checkpoint(directory: pathlib.Path) -> str:
+  """``"jaxmp"``, ``"orbax"`` (a plain pytree checkpoint), or raises."""
+  if not directory.exists():
+    raise FileNotFoundError(
+        f"restore_checkpoint: there is no checkpoint at {directory}. Pass the "
+        "directory given to jaxmp.flax.save_checkpoint (one per step, e.g. "
+        ".../step_1000)."
+    )
+  if (directory / _STATE).is_dir() and (directory / _CONFIG).is_dir():
+    return "jaxmp"
+  if (directory / "_METADATA").exists():
+    return "orbax"
+  raise ValueError(
+      f"restore_checkpoint: {directory} is not a checkpoint written by "
+      "jaxmp.flax.save_checkpoint or by orbax (it has no "
+      f"'{_STATE}' and '{_CONFIG}' items and no orbax metadata; its entries: "
+      f"{_listing(sorted(p.name for p in directory.iterdir())) or 'none'}). "
+      "Pass the directory of one checkpoint (e.g. .../step_1000), not its "
+      "parent."
+  )
+
+
 def save_checkpoint(directory: str | os.PathLike[str], target: Any, *,
                     force: bool = False) -> None:
   """Saves a training state with orbax, loss scale and its configuration included.
@@ -133,6 +235,14 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
                        check_config: bool = True) -> Any:
   """Restores a checkpoint written by :func:`save_checkpoint` into ``target``.
 
+  A plain orbax checkpoint (written by ``ocp.StandardCheckpointer``) has no
+  configuration to check: it is restored with ``check_config=False`` and
+  refused otherwise. Before any array is read, the paths and shapes of the
+  saved arrays are compared with the target's, so that a checkpoint of
+  another optimizer or model size is refused with the differing paths named,
+  not with orbax's tree dump. Arrays are cast to the target's dtypes, as
+  orbax does.
+
   Args:
     directory: the checkpoint directory.
     target: what to restore into. A pytree (e.g. the
@@ -148,12 +258,14 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
     The restored state.
 
   Raises:
+    FileNotFoundError: if ``directory`` does not exist.
     ValueError: if ``check_config`` and the loss scale's configuration or the
-      policy of ``target`` differ from the saved ones; and, whatever
-      ``check_config``, if the target holds a different kind of loss scale
-      (e.g. a float32 run's ``NoOpLossScale`` restored into a
-      ``mixed_float16`` target with a ``DynamicLossScale``), whose arrays
-      cannot be restored into it.
+      policy of ``target`` differ from the saved ones (or the checkpoint is a
+      plain orbax one, which has none); and, whatever ``check_config``, if
+      the target holds a different kind of loss scale (e.g. a float32 run's
+      ``NoOpLossScale`` restored into a ``mixed_float16`` target with a
+      ``DynamicLossScale``), other arrays (another optimizer or model) or
+      other shapes, or if ``directory`` is not a checkpoint.
 
   Example:
     >>> import os, tempfile, jax, jax.numpy as jnp, optax, jaxmp, jaxmp.flax
@@ -171,7 +283,7 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
     restore_checkpoint: the checkpoint was saved with
   """
   ocp, checkpointer = _checkpointer()
-  directory = os.path.abspath(os.fspath(directory))
+  directory = pathlib.Path(os.path.abspath(os.fspath(directory)))
   nnx_target = _is_nnx_node(target)
   if nnx_target:
     from flax import nnx  # pylint: disable=g-import-not-at-top
@@ -179,42 +291,57 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
     items = nnx.state(target)
   else:
     items = target
-  # The configuration is checked before the arrays are read, so that a
-  # mismatch is explained here rather than by orbax's tree comparison.
-  saved = checkpointer.restore(
-      directory, args=ocp.args.Composite(jaxmp_config=ocp.args.JsonRestore())
-  ).jaxmp_config
-  expected = _config(target)
-  saved_type = (saved or {}).get("loss_scale", {}).get("type")
-  expected_type = expected["loss_scale"].get("type")
-  if saved_type != expected_type:
-    raise ValueError(
-        f"restore_checkpoint: the checkpoint holds a {saved_type or 'no loss scale'}"
-        f" and the target a {expected_type or 'no loss scale'}, so their arrays "
-        "differ (as when switching between float32 and mixed_float16), and "
-        "check_config=False cannot bridge that. Restore into a target built "
-        f"with the saved configuration {saved}, then start the new run from "
-        "its params (TrainState.create(..., params=restored.params, "
-        "policy=...)), keeping "
-        "the optimizer moments with opt_state._replace(inner_state="
-        "restored.opt_state.inner_state) if you wish."
-    )
-  if check_config and saved != expected:
-    raise ValueError(
-        "restore_checkpoint: the checkpoint was saved with the configuration "
-        f"{saved}, but the target has {expected}. The loss scale's "
-        "configuration and the policy come from the target (your code). "
-        "Build the target with the saved configuration, or pass "
-        "check_config=False to resume under the new one."
-    )
-  restored = checkpointer.restore(
-      directory,
-      args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(items),
-          jaxmp_config=ocp.args.JsonRestore(),
-      ),
-  )
+  if _kind_of_checkpoint(directory) == "orbax":
+    if check_config:
+      raise ValueError(
+          f"restore_checkpoint: {directory} is a plain orbax checkpoint (e.g. "
+          "from ocp.StandardCheckpointer), not one written by "
+          "jaxmp.flax.save_checkpoint, so it holds no loss-scale "
+          "configuration or policy to check. Pass check_config=False to "
+          "restore its arrays (the configuration then comes from the target, "
+          "unchecked), and save with jaxmp.flax.save_checkpoint from then on."
+      )
+    _check_arrays(directory, items)
+    restored = ocp.StandardCheckpointer().restore(directory, items)
+  else:
+    # The configuration and the arrays' paths and shapes are checked before
+    # the arrays are read, so that a mismatch is explained here rather than
+    # by orbax's tree comparison.
+    saved = checkpointer.restore(
+        directory, args=ocp.args.Composite(jaxmp_config=ocp.args.JsonRestore())
+    ).jaxmp_config
+    expected = _config(target)
+    saved_type = (saved or {}).get("loss_scale", {}).get("type")
+    expected_type = expected["loss_scale"].get("type")
+    if saved_type != expected_type:
+      raise ValueError(
+          f"restore_checkpoint: the checkpoint holds a {saved_type or 'no loss scale'}"
+          f" and the target a {expected_type or 'no loss scale'}, so their arrays "
+          "differ (as when switching between float32 and mixed_float16), and "
+          "check_config=False cannot bridge that. Restore into a target built "
+          f"with the saved configuration {saved}, then start the new run from "
+          "its params (TrainState.create(..., params=restored.params, "
+          "policy=...)), keeping "
+          "the optimizer moments with opt_state._replace(inner_state="
+          "restored.opt_state.inner_state) if you wish."
+      )
+    if check_config and saved != expected:
+      raise ValueError(
+          "restore_checkpoint: the checkpoint was saved with the configuration "
+          f"{saved}, but the target has {expected}. The loss scale's "
+          "configuration and the policy come from the target (your code). "
+          "Build the target with the saved configuration, or pass "
+          "check_config=False to resume under the new one."
+      )
+    _check_arrays(directory / _STATE, items)
+    restored = checkpointer.restore(
+        directory,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(items),
+            jaxmp_config=ocp.args.JsonRestore(),
+        ),
+    ).state
   if nnx_target:
-    nnx.update(target, restored.state)
+    nnx.update(target, restored)
     return target
-  return restored.state
+  return restored

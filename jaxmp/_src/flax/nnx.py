@@ -1,10 +1,16 @@
-"""NNX training with loss scaling: the scaled ``nnx.value_and_grad``."""
+"""NNX training with loss scaling: the scaled ``nnx.value_and_grad``, and
+BatchNorm statistics kept on skipped steps."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
 
 from jaxmp._src.loss_scale import LossScale
+from jaxmp._src.loss_scaling import _find_state
 from jaxmp._src.value_and_grad import scale_then_differentiate
 
 
@@ -64,3 +70,82 @@ def nnx_scaled_value_and_grad(
       caller="nnx_scaled_value_and_grad",
       state_hint="With an nnx.Optimizer, pass "
       "jaxmp.get_loss_scale(optimizer.opt_state).")
+
+
+@contextlib.contextmanager
+def nnx_keep_on_skip(
+    model: Any, optimizer: Any, keep: Any = None
+) -> Iterator[None]:
+  """Keeps the model's ``nnx.BatchStat`` variables as they were on a skipped step.
+
+  A context manager for an NNX train step (``with
+  jaxmp.flax.nnx_keep_on_skip(model, optimizer): ...``). On entry it records
+  the values of the model's variables that ``keep`` selects (by default the
+  BatchNorm statistics, ``nnx.BatchStat``); the forward pass then updates
+  them, as NNX does, and ``optimizer.update`` skips the step when the
+  gradients are not finite. On exit, where the step was skipped, the recorded values are put
+  back, bit-identical: one inf pixel does not poison the running statistics.
+  Where it was applied, the new values stay. The choice is a ``jnp.where`` on
+  the flag the loss-scaling state records for this step (``last_finite``):
+  no host synchronisation, no ``lax.cond``. The parameters and the optimizer
+  state need no help: :func:`jaxmp.loss_scaling` keeps them already.
+
+  Call ``optimizer.update`` inside the block, after the forward pass.
+
+  Args:
+    model: the NNX module the forward pass updates.
+    optimizer: the ``nnx.Optimizer`` built on :func:`jaxmp.loss_scaling`.
+    keep: an NNX filter choosing the variables to keep: a ``Variable`` type
+      (default ``nnx.BatchStat``), a tuple of them, or any filter
+      ``nnx.state`` takes (e.g. ``(nnx.BatchStat, EmaParam)``).
+
+  Raises:
+    ValueError: on entry, if ``optimizer`` holds no loss-scaling state; on
+      exit, if ``optimizer.update`` was not called inside the block (the
+      flag would be the previous step's).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jaxmp, jaxmp.flax
+    >>> from flax import nnx
+    >>> model = nnx.Sequential(nnx.Linear(2, 4, rngs=nnx.Rngs(0)),
+    ...                        nnx.BatchNorm(4, rngs=nnx.Rngs(0)))
+    >>> optimizer = nnx.Optimizer(
+    ...     model, jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale()),
+    ...     wrt=nnx.Param)
+    >>> @nnx.jit
+    ... def train_step(model, optimizer, x):
+    ...   with jaxmp.flax.nnx_keep_on_skip(model, optimizer):
+    ...     loss, grads = jaxmp.flax.nnx_scaled_value_and_grad(
+    ...         lambda m: jnp.mean(m(x) ** 2),
+    ...         jaxmp.get_loss_scale(optimizer.opt_state))(model)
+    ...     optimizer.update(model, grads)
+    >>> mean_before = model.layers[1].mean[...]
+    >>> train_step(model, optimizer, jnp.ones((8, 2)).at[0, 0].set(jnp.inf))
+    >>> bool(jnp.all(model.layers[1].mean[...] == mean_before))
+    True
+  """
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  keep = nnx.BatchStat if keep is None else keep
+  flag_before = _last_finite(optimizer)
+  # New Variables around the current values: the model's own Variables are
+  # updated in place by the forward pass.
+  before = jax.tree_util.tree_map(lambda x: x, nnx.state(model, keep))
+  yield
+  flag = _last_finite(optimizer)
+  if flag is flag_before:
+    raise ValueError(
+        "nnx_keep_on_skip: optimizer.update was not called inside the `with` "
+        "block, so whether this step was skipped is not known yet. Call "
+        "optimizer.update(model, grads) inside it, after the forward pass."
+    )
+  kept = jax.tree_util.tree_map(
+      lambda new, old: jnp.where(flag, new, old), nnx.state(model, keep), before)
+  nnx.update(model, kept)
+
+
+def _last_finite(optimizer: Any) -> Any:
+  """The ``last_finite`` value of the optimizer's loss-scaling state, as stored."""
+  state = _find_state(getattr(optimizer, "opt_state", optimizer), "nnx_keep_on_skip")
+  flag = state.last_finite
+  return flag.get_value() if hasattr(flag, "get_value") else flag

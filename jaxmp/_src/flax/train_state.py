@@ -2,35 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import struct
 from flax.training import train_state
 
-from jaxmp._src.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
+from jaxmp._src.default_loss_scale import as_policy, default_loss_scale
+from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.loss_scaling import (
-  LossScalingState,
+  _find_states,
   get_loss_scale,
   loss_scaling,
   loss_scaling_metrics,
 )
-from jaxmp._src.policy import PolicyLike, get_policy
 from jaxmp._src.value_and_grad import scaled_value_and_grad
-
-
-def _as_policy(spec: Any) -> PolicyLike:
-  """Returns ``spec`` as a policy: a policy kind as is, else ``get_policy(spec)``.
-
-  Accepts anything :func:`jaxmp.get_policy` takes and every policy kind
-  (:class:`jaxmp.PathPolicy`, :class:`jaxmp.flax.ModulePolicy`). The policy
-  of inputs and outputs is checked here, so that a rule-based policy without
-  a default fails at ``create``.
-  """
-  policy = spec if isinstance(spec, PolicyLike) else get_policy(spec)
-  policy.io_policy  # pylint: disable=pointless-statement
-  return policy
 
 
 class TrainState(train_state.TrainState):
@@ -38,9 +28,18 @@ class TrainState(train_state.TrainState):
 
   :meth:`create` wraps ``tx`` with :func:`jaxmp.loss_scaling`, so
   :meth:`apply_gradients` takes the gradients of the *scaled* loss, unscales
-  them and skips the update (params and inner optimizer state bit-identical)
-  when any of them is inf or nan. :meth:`value_and_grad` produces those
-  gradients from a loss function run under the policy.
+  them and skips the update when any of them is inf or nan: the params, the
+  inner optimizer state and every other field passed to ``apply_gradients``
+  (BatchNorm ``batch_stats``, EMA params) stay bit-identical.
+  :meth:`value_and_grad` produces those gradients from a loss function run
+  under the policy.
+
+  Subclass it to carry more state, as in Flax; the fields need no default:
+
+  ```python
+  class TrainState(jaxmp.flax.TrainState):
+    batch_stats: Any
+  ```
 
   **Steps.** ``step`` counts calls to ``apply_gradients``, as in Flax: it grows
   on skipped steps too. The number of skipped steps is
@@ -51,7 +50,8 @@ class TrainState(train_state.TrainState):
 
   Attributes:
     policy: the :class:`jaxmp.Policy` (or :class:`jaxmp.PathPolicy`, or
-      :class:`jaxmp.flax.ModulePolicy`); static, not a pytree leaf.
+      :class:`jaxmp.flax.ModulePolicy`); static, not a pytree leaf, and
+      keyword-only, so that subclass fields need no default.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxmp
@@ -70,7 +70,7 @@ class TrainState(train_state.TrainState):
     (1, 1024.0, dtype('float32'))
   """
 
-  policy: Any = struct.field(pytree_node=False, default=None)
+  policy: Any = struct.field(pytree_node=False, default=None, kw_only=True)
 
   @classmethod
   def create(
@@ -81,15 +81,16 @@ class TrainState(train_state.TrainState):
       tx: optax.GradientTransformation,
       policy: Any = "float32",
       loss_scale: LossScale | None = None,
+      axis_name: Hashable | None = None,
       **kwargs,
   ) -> "TrainState":
     """Creates a state with ``step=0``; wraps ``tx`` with loss scaling.
 
     Args:
-      apply_fn: usually ``model.apply``. With a
-        :class:`jaxmp.flax.ModulePolicy` it is wrapped by
-        :meth:`~jaxmp.flax.ModulePolicy.wrap_apply`, so call
-        ``state.apply_fn`` (not ``model.apply``) in the loss function.
+      apply_fn: usually ``model.apply``. It is wrapped by the policy's
+        ``wrap_apply`` (which makes a :class:`jaxmp.flax.ModulePolicy` take
+        effect), so call ``state.apply_fn`` (not ``model.apply``) in the loss
+        function.
       params: the model's parameters; cast to the policy's ``param_dtype``
         (per path with a :class:`jaxmp.PathPolicy`; kept as they are with a
         module policy).
@@ -100,22 +101,36 @@ class TrainState(train_state.TrainState):
         :class:`jaxmp.PathPolicy` or a :class:`jaxmp.flax.ModulePolicy`.
         Default ``"float32"``.
       loss_scale: the initial loss scale. Default:
+        :func:`jaxmp.default_loss_scale` of the policy, that is
         ``jaxmp.DynamicLossScale()`` when the policy computes in float16 (or
         float8), else ``jaxmp.NoOpLossScale()``.
-      **kwargs: further fields of a subclass, as in Flax.
+      axis_name: inside ``pmap`` or ``shard_map``, the axis name (or tuple of
+        names) over which the batch is split; passed to
+        :func:`jaxmp.loss_scaling`, so that all devices agree on skipping.
+        Not needed under plain ``jit``.
+      **kwargs: further fields of a subclass (``batch_stats=...``), as in
+        Flax.
 
     Returns:
       The new state.
 
     Raises:
-      ValueError: if ``tx`` is already wrapped with :func:`jaxmp.loss_scaling`.
-      TypeError: if ``loss_scale`` is not a loss scale.
+      TypeError: if ``tx`` is not an optax transformation, or ``loss_scale``
+        is not a loss scale.
+      ValueError: if ``tx`` is already wrapped with :func:`jaxmp.loss_scaling`,
+        or a rule-based ``policy`` has no default (the inputs and the loss
+        need one).
     """
-    policy = _as_policy(policy)
-    if loss_scale is None:
-      loss_scale = (
-          DynamicLossScale() if policy.needs_loss_scaling else NoOpLossScale()
+    policy = as_policy(policy)
+    policy.io_policy  # pylint: disable=pointless-statement  # raises without a default
+    if not (hasattr(tx, "init") and hasattr(tx, "update")):
+      raise TypeError(
+          "TrainState.create: tx must be an optax.GradientTransformation such "
+          f"as optax.adamw(1e-3); got {tx!r}. Pass the bare optimizer: create "
+          "wraps it with jaxmp.loss_scaling."
       )
+    if loss_scale is None:
+      loss_scale = default_loss_scale(policy)
     if not isinstance(loss_scale, LossScale):
       raise TypeError(
           "TrainState.create: loss_scale must be a jaxmp loss scale such as "
@@ -123,17 +138,15 @@ class TrainState(train_state.TrainState):
       )
     apply_fn = policy.wrap_apply(apply_fn)
     params = policy.params_for_storage(params)
-    abstract = jax.eval_shape(tx.init, params)
-    is_state = lambda x: isinstance(x, LossScalingState)
-    if any(is_state(x) for x in jax.tree_util.tree_leaves(abstract, is_leaf=is_state)):
+    if _find_states(jax.eval_shape(tx.init, params)):
       raise ValueError(
           "TrainState.create: tx is already wrapped with jaxmp.loss_scaling. "
           "Pass the bare optimizer (e.g. optax.adamw(1e-3)) and the loss scale "
           "as loss_scale=...; create wraps it for you."
       )
-    tx = loss_scaling(tx, loss_scale)
+    tx = loss_scaling(tx, loss_scale, axis_name=axis_name)
     return cls(
-        step=jax.numpy.zeros([], jax.numpy.int32),
+        step=jnp.zeros([], jnp.int32),
         apply_fn=apply_fn,
         params=params,
         tx=tx,
@@ -141,6 +154,74 @@ class TrainState(train_state.TrainState):
         policy=policy,
         **kwargs,
     )
+
+  def apply_gradients(self, *, grads: Any, **kwargs) -> "TrainState":
+    """Applies the scaled gradients; on a skipped step changes nothing.
+
+    Runs the loss-scaling optimizer on ``grads`` (the gradients of the
+    *scaled* loss, from :meth:`value_and_grad`) and applies its updates, as
+    Flax's ``apply_gradients`` does; ``step`` grows by one. The other fields
+    in ``kwargs`` (``batch_stats=new_stats``, EMA params, anything the
+    subclass declares) are written on a finite step and kept bit-identical on
+    a skipped one, like the params: one inf pixel must not poison the
+    BatchNorm statistics for good. The choice is a ``jnp.where`` on the flag
+    the loss-scaling state records for this step (``last_finite``): no host
+    synchronisation, no ``lax.cond``.
+
+    Each such field keeps its structure, shapes and dtypes: a new value in
+    another dtype is cast to the field's dtype (so that the jitted step does
+    not retrace), and one of another structure or shape is refused. Static
+    fields (``struct.field(pytree_node=False)``) are replaced as given.
+
+    Args:
+      grads: the gradients of the scaled loss, with the structure of
+        ``params``.
+      **kwargs: other fields to replace, as in Flax.
+
+    Returns:
+      The new state.
+
+    Raises:
+      TypeError: if a name in ``kwargs`` is not a field of the state.
+      ValueError: if a new field value differs from the current one in
+        structure or shapes.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
+      >>> from typing import Any
+      >>> class State(jaxmp.flax.TrainState):
+      ...   ema: Any
+      >>> params = {"w": jnp.ones(2)}
+      >>> state = State.create(apply_fn=None, params=params, tx=optax.sgd(0.1),
+      ...                      policy="mixed_float16", ema=params)
+      >>> bad = {"w": jnp.array([jnp.inf, 1.0])}  # an overflow: skipped
+      >>> state = state.apply_gradients(grads=bad, ema={"w": jnp.full(2, jnp.inf)})
+      >>> state.ema["w"], int(state.metrics["skipped_steps"])
+      (Array([1., 1.], dtype=float32), 1)
+    """
+    fields = {f.name: f for f in dataclasses.fields(self)}
+    for name in kwargs:
+      if name not in fields:
+        raise TypeError(
+            f"{type(self).__name__}.apply_gradients: {name!r} is not a field "
+            f"of the state (its fields: {', '.join(fields)}). Declare it in a "
+            "subclass (class TrainState(jaxmp.flax.TrainState): "
+            f"{name}: Any) and give its first value to create(..., "
+            f"{name}=...)."
+        )
+    new_state = super().apply_gradients(grads=grads)
+    if not kwargs:
+      return new_state
+    finite = loss_scaling_metrics(new_state.opt_state)["last_finite"]
+    written = {}
+    for name, value in kwargs.items():
+      if not fields[name].metadata.get("pytree_node", True):
+        written[name] = value
+      else:
+        written[name] = _keep_on_skip(
+            finite, value, getattr(self, name), f"{type(self).__name__}."
+            f"apply_gradients({name}=...)")
+    return new_state.replace(**written)
 
   @property
   def loss_scale(self) -> LossScale:
@@ -189,3 +270,32 @@ class TrainState(train_state.TrainState):
       return io_policy.cast_to_output(loss_fn(params, *args, **kwargs))
 
     return scaled_value_and_grad(run, self.loss_scale, has_aux=has_aux)
+
+
+def _keep_on_skip(finite: jax.Array, new: Any, old: Any, owner: str) -> Any:
+  """``new`` where ``finite``, else ``old``, leaf by leaf, in ``old``'s dtypes."""
+  new_structure = jax.tree_util.tree_structure(new)
+  old_structure = jax.tree_util.tree_structure(old)
+  if new_structure != old_structure:
+    raise ValueError(
+        f"{owner}: the new value has the tree structure {new_structure}, but "
+        f"the state holds {old_structure}. A skipped step keeps the current "
+        "value, so the new one must have its structure: give the first value "
+        "to create (e.g. TrainState.create(..., batch_stats="
+        "variables['batch_stats'])) and pass the updated collection itself "
+        "(updates['batch_stats'], not the dict that holds it)."
+    )
+
+  def select(path, new_leaf, old_leaf):
+    new_leaf, old_leaf = jnp.asarray(new_leaf), jnp.asarray(old_leaf)
+    if new_leaf.shape != old_leaf.shape:
+      raise ValueError(
+          f"{owner}: at {jax.tree_util.keystr(path)} the new value has shape "
+          f"{new_leaf.shape} and the state {old_leaf.shape}. A skipped step "
+          "keeps the current value, so the shapes must agree."
+      )
+    if new_leaf.dtype != old_leaf.dtype:
+      new_leaf = new_leaf.astype(old_leaf.dtype)
+    return jnp.where(finite, new_leaf, old_leaf)
+
+  return jax.tree_util.tree_map_with_path(select, new, old)

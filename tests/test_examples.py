@@ -1,0 +1,132 @@
+"""Runs the examples, shortened, under float16 and bfloat16 compute.
+
+Each example trains on scikit-learn's digits, and every matrix product of its
+train step (forward and backward) runs in the policy's compute dtype: checked
+on the step's jaxpr, not on the params.
+"""
+
+import importlib.util
+import pathlib
+import sys
+
+import jax
+import jax.extend as jex
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxmp
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+POLICIES = [("mixed_float16", "float16"), ("mixed_bfloat16", "bfloat16")]
+
+
+def load(name):
+  spec = importlib.util.spec_from_file_location(
+      f"examples_{name}", EXAMPLES / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses (Linen modules) look it up
+  spec.loader.exec_module(module)
+  return module
+
+
+def dot_input_dtypes(closed_jaxpr):
+  """The input dtypes of every dot_general and convolution, nested jaxprs too."""
+  # To become jaxmp's precision audit once it lands.
+  found = set()
+
+  def visit(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
+        found.update(np.dtype(v.aval.dtype).name for v in eqn.invars)
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          if isinstance(sub, jex.core.ClosedJaxpr):
+            visit(sub.jaxpr)
+          elif isinstance(sub, jex.core.Jaxpr):
+            visit(sub)
+
+  visit(closed_jaxpr.jaxpr)
+  return found
+
+
+def a_batch(n=32):
+  rng = np.random.default_rng(0)
+  return (rng.uniform(size=(n, 64)).astype(np.float32),
+          rng.integers(0, 10, n).astype(np.int32))
+
+
+def check_summary(summary, steps, policy):
+  assert summary["steps"] == steps
+  assert summary["param_dtypes"] == ["float32"]
+  assert summary["test_accuracy"] > 0.5  # chance is 0.1
+  if jaxmp.get_policy(policy).needs_loss_scaling:
+    assert summary["loss_scale"] >= 1.0
+  else:
+    assert summary["loss_scale"] == 1.0 and summary["skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("policy, compute", POLICIES)
+def test_quickstart(policy, compute, capsys):
+  module = load("quickstart")
+  assert module.main(["--policy", policy, "--steps", "40", "--log-every", "40"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0].startswith(f"policy {jaxmp.get_policy(policy)}")
+  losses = [float(line.split()[1]) for line in lines if line.split()[0].isdigit()]
+  assert losses[-1] < losses[0]
+  assert "params stay float32" in lines[-1]
+  tx = module.make_optimizer(jaxmp.get_policy(policy))
+  params = module.init_params(jax.random.key(0))
+  step = module.make_train_step(jaxmp.get_policy(policy), tx)
+  jaxpr = jax.make_jaxpr(step)(params, tx.init(params), *a_batch())
+  assert dot_input_dtypes(jaxpr) == {compute}
+
+
+@pytest.mark.parametrize("policy, compute", POLICIES)
+def test_flax_linen(policy, compute, capsys):
+  module = load("flax_linen")
+  summary = module.main(["--policy", policy, "--steps", "20", "--batch-size", "64"])
+  printed = capsys.readouterr().out
+  assert printed.startswith(
+      f"Linen MLP on digits, policy {jaxmp.get_policy(policy)} (LayerNorm in float32)")
+  check_summary(summary, 20, policy)
+  jaxpr = jax.make_jaxpr(module.train_step)(module.create_state(policy), *a_batch())
+  assert dot_input_dtypes(jaxpr) == {compute}
+
+
+@pytest.mark.parametrize("policy, compute", POLICIES)
+def test_flax_nnx(policy, compute, capsys):
+  module = load("flax_nnx")
+  summary = module.main(["--policy", policy, "--steps", "20", "--batch-size", "64"])
+  printed = capsys.readouterr().out
+  assert printed.startswith(
+      f"NNX MLP on digits, policy {jaxmp.get_policy(policy)} (LayerNorm in float32)")
+  check_summary(summary, 20, policy)
+  graphdef, state = nnx.split(module.create(jaxmp.get_policy(policy)))
+
+  def step(state, x, y):
+    model, optimizer = nnx.merge(graphdef, state)
+    return module.train_step(model, optimizer, x, y, jaxmp.get_policy(policy))
+
+  assert dot_input_dtypes(jax.make_jaxpr(step)(state, *a_batch())) == {compute}
+
+
+@pytest.mark.xfail(
+    strict=True, reason="needs scaled_value_and_grad(value_and_grad=...) and, "
+    "for float16, loss scales validated at construction only")
+@pytest.mark.parametrize("policy, compute", POLICIES)
+def test_equinox_mlp(policy, compute, capsys):
+  import equinox as eqx  # pylint: disable=g-import-not-at-top
+
+  module = load("equinox_mlp")
+  summary = module.main(["--policy", policy, "--steps", "20", "--batch-size", "64"])
+  printed = capsys.readouterr().out
+  assert printed.startswith(f"Equinox MLP on digits, policy {jaxmp.get_policy(policy)}")
+  check_summary(summary, 20, policy)
+  model, tx, opt_state = module.create(jaxmp.get_policy(policy))
+  step = module.make_train_step(jaxmp.get_policy(policy), tx)
+  params, static = eqx.partition(model, eqx.is_array)
+  jaxpr = jax.make_jaxpr(lambda params, opt_state, x, y: eqx.filter(
+      step(eqx.combine(params, static), opt_state, x, y), eqx.is_array)
+  )(params, opt_state, *a_batch())
+  assert dot_input_dtypes(jaxpr) == {compute}
