@@ -41,7 +41,6 @@ def assert_bit_identical(a, b):
     assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
 
 
-@pytest.mark.xfail(strict=True, reason="needs validation at construction only")
 def test_filter_jit_step_holding_a_hysteresis_scale_trains_and_skips_an_inf_step():
   model, tx, opt_state = make()
   traces = []
