@@ -12,7 +12,10 @@ import optax
 import pytest
 
 import jaxmp
-from jaxmp._src.codegen import DEEPSPEED_GRADIENT_CLIPPING_DEFAULT, deepspeed_config_to_code
+from jaxmp._src.codegen import (
+  DEEPSPEED_GRADIENT_CLIPPING_DEFAULT,
+  deepspeed_config_to_code,
+)
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"
 
@@ -72,7 +75,8 @@ def test_generated_code_builds_the_same_objects():
     ({"type": "Adam", "params": {"lr": 0.001}}, "optax.adam(learning_rate)"),
     ({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}, "optax.sgd(learning_rate, momentum=0.9)"),
     ({"type": "Lamb", "params": {"lr": 0.01}}, "optax.lamb("),
-    ({"type": "Lion", "params": {"lr": 1e-4, "betas": [0.9, 0.99]}}, "optax.lion(learning_rate, b1=0.9, b2=0.99"),
+    ({"type": "Lion", "params": {"lr": 1e-4, "betas": [0.9, 0.99], "eps": 1e-8}},
+     "optax.lion(learning_rate, b1=0.9, b2=0.99, weight_decay=0)"),
     ({"type": "OneBitAdam", "params": {"lr": "auto"}}, "optax.adamw(learning_rate)"),
 ])
 def test_generated_optimizers_run(optimizer, expected):
@@ -87,6 +91,7 @@ def test_generated_optimizers_run(optimizer, expected):
   state = tx.init(params)
   tx.update(jnp.ones(2), state, params)
   assert ("optimizer" in [k for k, _ in left_out]) == (optimizer["type"] == "OneBitAdam")
+  assert ("optimizer.params.eps" in [k for k, _ in left_out]) == (optimizer["type"] == "Lion")
 
 
 def test_generated_code_float32_and_static():

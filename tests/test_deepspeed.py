@@ -21,7 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxmp
-from jaxmp._src.deepspeed import BF16_KEYS, DEEPSPEED_FP16_DEFAULTS, FP16_KEYS, load_deepspeed_config
+from jaxmp._src.deepspeed import (
+  BF16_KEYS,
+  DEEPSPEED_FP16_DEFAULTS,
+  FP16_KEYS,
+  load_deepspeed_config,
+)
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"
 FIXTURE = json.loads((DATA / "deepspeed.json").read_text(encoding="utf-8"))

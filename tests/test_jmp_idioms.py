@@ -8,7 +8,6 @@ import pytest
 
 import jaxmp
 
-
 JMP_NAMES = ["Policy", "get_policy", "DynamicLossScale", "StaticLossScale",
              "NoOpLossScale", "all_finite", "select_tree", "half_dtype",
              "cast_to_full", "cast_to_half"]

@@ -108,8 +108,9 @@ def _optimizer_code(
       beta = checked(check_number, f"optimizer.params.betas[{i}]", beta,
                      minimum=0, maximum=1, exclusive_maximum=True)
       args.append(f"b{i + 1}={_py(beta)}")
+  eps = []
   if not _is_default(params.get("eps")):
-    args.append(f"eps={_py(number('eps', minimum=0))}")
+    eps = [f"eps={_py(number('eps', minimum=0))}"]
   weight_decay = 0
   if not _is_default(params.get("weight_decay")):
     weight_decay = number("weight_decay", minimum=0)
@@ -130,6 +131,8 @@ def _optimizer_code(
           "not mapped to an optax argument; set it by hand if it matters."
           + suggestion(key, _MAPPED_PARAMS[family]),
       ))
+  if family != "lion":  # optax.lion has no eps
+    args += eps
   if family == "adam":
     adam_w_mode = params.get("adam_w_mode", True)
     if not _is_default(adam_w_mode):
