@@ -12,7 +12,8 @@ PACKAGE = ROOT / "jaxmp"
 PRIVATE_MECHANICS_TESTS = {
     "test_inplace_select.py",
     "test_path_policy.py",
-    "test_migration.py",
+    "test_deepspeed.py",
+    "test_codegen.py",
     "test_architecture.py",
 }
 

@@ -8,9 +8,11 @@ or NumPy.
 """
 
 import dataclasses
+import io
 import os
 import pathlib
 import re
+import sys
 import tempfile
 import traceback
 from typing import Any, Callable
@@ -334,34 +336,119 @@ CASES = [
     # -- Migration ---------------------------------------------------------------
     Case("DeepSpeed: unparsable JSON", deepspeed('{"fp16": {"enabled": true,,}}'),
          ValueError, r"is not valid JSON", r"at line 1, column 27"),
+    Case("DeepSpeed: not a JSON object", deepspeed("[1, 2]"), ValueError,
+         r"got a list", r"must hold a JSON object \(a DeepSpeed config\)"),
+    Case("DeepSpeed: unterminated comment", deepspeed('{"fp16": /* open'), ValueError,
+         r"unterminated /\* comment", r"close it with \*/"),
+    Case("DeepSpeed: a block given twice",
+         deepspeed('{"fp16": {"enabled": true}, "fp16": {"enabled": false}}'), ValueError,
+         r"gives the key 'fp16' twice in one object", r"DeepSpeed refuses duplicate keys\. "
+         r"Keep one of them"),
+    Case("DeepSpeed: a key given twice inside fp16",
+         deepspeed('{"fp16": {"enabled": true, "loss_scale": 0, "enabled": false}}'),
+         ValueError, r"the key 'enabled' twice .*keys 'enabled', 'loss_scale'",
+         r"Keep one of them"),
+    Case("DeepSpeed: a misspelt fp16 key",
+         deepspeed({"fp16": {"enabled": True, "initial_scale_pwr": 12}}), ValueError,
+         r"fp16\.initial_scale_pwr is not a key of the fp16 block",
+         r"Did you mean 'initial_scale_power'\?"),
+    Case("DeepSpeed: a misspelt fp16 key while disabled",
+         deepspeed({"fp16": {"enabled": False, "loss_scael": 0}}), ValueError,
+         r"fp16\.loss_scael is not a key", r"Did you mean 'loss_scale'\?"),
+    Case("DeepSpeed: a misspelt bf16 enabled",
+         deepspeed({"bf16": {"enabeld": True}}), ValueError,
+         r"bf16\.enabeld is not a key of the bf16 block, and DeepSpeed refuses it too",
+         r"Did you mean 'enabled'\?"),
+    Case("DeepSpeed: deeply nested JSON", deepspeed("[" * 100_000 + "]" * 100_000),
+         ValueError, r"the JSON string is nested too deeply to parse",
+         r"check that this is the right file"),
     Case("DeepSpeed: fp16 and bf16 both enabled",
          deepspeed({"fp16": {"enabled": True}, "bf16": {"enabled": True}}), ValueError,
          r"fp16 and bf16 are both enabled", r"keep one"),
+    Case("DeepSpeed: fp16 not an object", deepspeed({"fp16": True}), ValueError,
+         r"'fp16' must be an object", r'such as \{"enabled": true\}'),
+    Case("DeepSpeed: enabled given as a string",
+         deepspeed({"fp16": {"enabled": "yes"}}), ValueError,
+         r"fp16\.enabled must be True or False, got 'yes'",
+         r"Write true or false, without quotes"),
     Case("DeepSpeed: negative loss scale",
          deepspeed({"fp16": {"enabled": True, "loss_scale": -1}}), ValueError,
-         r"fp16\.loss_scale .*got -1", r"must be 0 \(dynamic loss scaling\) or a positive"),
+         r"fp16\.loss_scale .*got -1", r"Use 0 \(dynamic loss scaling\) or a positive"),
+    Case("DeepSpeed: infinite loss scale",
+         deepspeed({"fp16": {"enabled": True, "loss_scale": float("inf")}}), ValueError,
+         r"fp16\.loss_scale must be finite, got inf", r"Use 0 \(dynamic loss scaling\)"),
+    Case("DeepSpeed: NaN loss scale",
+         deepspeed('{"fp16": {"enabled": true, "loss_scale": NaN}}'), ValueError,
+         r"fp16\.loss_scale must be a number, got nan", r"Use 0 \(dynamic loss scaling\)"),
+    Case("DeepSpeed: subnormal static loss scale",
+         deepspeed({"fp16": {"enabled": True, "loss_scale": 1e-40}}), ValueError,
+         r"got 1e-40; smaller scales are flushed to 0",
+         r"must be 0 or at least 2\*\*-126"),
     Case("DeepSpeed: non-numeric power",
          deepspeed({"fp16": {"enabled": True, "initial_scale_power": "sixteen"}}),
          ValueError, r"initial_scale_power .*got 'sixteen'", r"must be an integer"),
+    Case("DeepSpeed: power beyond float32",
+         deepspeed({"fp16": {"enabled": True, "initial_scale_power": 200}}), ValueError,
+         r"initial_scale_power must be an integer >= -126 and <= 127, got 200",
+         r"is a float32; 16 is the usual value"),
+    Case("DeepSpeed: window 0",
+         deepspeed({"fp16": {"enabled": True, "loss_scale_window": 0}}), ValueError,
+         r"loss_scale_window must be an integer >= 1 .*got 0", r"1000 is DeepSpeed's default"),
+    Case("DeepSpeed: fractional window",
+         deepspeed({"fp16": {"enabled": True, "loss_scale_window": 10.5}}), ValueError,
+         r"loss_scale_window must be an integer, got 10\.5", r"1000 is DeepSpeed's default"),
+    Case("DeepSpeed: quoted window",
+         deepspeed({"fp16": {"enabled": True, "loss_scale_window": "1000"}}), ValueError,
+         r"loss_scale_window must be an integer, got '1000' of type str",
+         r"Write a JSON number, without quotes"),
+    Case("DeepSpeed: hysteresis 0",
+         deepspeed({"fp16": {"enabled": True, "hysteresis": 0}}), ValueError,
+         r"hysteresis must be an integer >= 1 and <= \d+, got 0", r"DeepSpeed's default is 2"),
+    Case("DeepSpeed: hysteresis given as a bool",
+         deepspeed({"fp16": {"enabled": True, "hysteresis": True}}), ValueError,
+         r"hysteresis must be an integer, got True of type bool",
+         r"1 backs off on every overflow"),
+    Case("DeepSpeed: consecutive_hysteresis given as a number",
+         deepspeed({"fp16": {"enabled": True, "consecutive_hysteresis": 1}}), ValueError,
+         r"consecutive_hysteresis must be True or False, got 1",
+         r"Write true or false, without quotes"),
+    Case("DeepSpeed: min_loss_scale 0",
+         deepspeed({"fp16": {"enabled": True, "min_loss_scale": 0}}), ValueError,
+         r"fp16\.min_loss_scale must be a number > 0, got 0", r"DeepSpeed's default is 1"),
     Case("DeepSpeed: missing file", deepspeed("/nonexistent/ds_config.json"), ValueError,
          r"no such file: '/nonexistent/ds_config\.json'",
          r"pass a dict, a JSON string or the path"),
-    Case("DeepSpeed: hysteresis 0",
-         deepspeed({"fp16": {"enabled": True, "hysteresis": 0}}), ValueError,
-         r"hysteresis must be >= 1, got 0", r"DeepSpeed's default is 2"),
     Case("DeepSpeed: min_loss_scale above the initial scale",
          deepspeed({"fp16": {"enabled": True, "initial_scale_power": 4,
                              "min_loss_scale": 32}}), ValueError,
-         r"min_loss_scale \(32\) is above the initial scale 2\*\*4",
+         r"min_loss_scale \(32\.0\) is above the initial scale 2\*\*4",
          r"lower min_loss_scale or raise initial_scale_power"),
     Case("DeepSpeed: not a config at all", deepspeed(3), TypeError,
          r"got a int", r"expects a dict, a JSON string or a path"),
     Case("from_torch_grad_scaler: a device name",
          lambda: jaxmp.from_torch_grad_scaler("cuda"), TypeError,
          r"init_scale must be a number, got 'cuda'", r"takes no device argument, drop it"),
+    Case("from_torch_grad_scaler: a device name before the scale",
+         lambda: jaxmp.from_torch_grad_scaler("cuda", 2.0**16), TypeError,
+         r"init_scale must be a number, got 'cuda'", r"It looks like a device name"),
+    Case("from_torch_grad_scaler: zero scale",
+         lambda: jaxmp.from_torch_grad_scaler(init_scale=0.0), ValueError,
+         r"init_scale must be a number > 0, got 0\.0", r"PyTorch's default is 65536\.0"),
+    Case("from_torch_grad_scaler: infinite scale",
+         lambda: jaxmp.from_torch_grad_scaler(init_scale=float("inf")), ValueError,
+         r"init_scale must be finite, got inf", r"PyTorch's default is 65536\.0"),
     Case("from_torch_grad_scaler: growth factor 1",
          lambda: jaxmp.from_torch_grad_scaler(growth_factor=1.0), ValueError,
-         r"growth_factor must be a finite number > 1, got 1\.0", r"default is 2\.0"),
+         r"growth_factor must be a number > 1, got 1\.0", r"default is 2\.0"),
+    Case("from_torch_grad_scaler: backoff factor 1",
+         lambda: jaxmp.from_torch_grad_scaler(backoff_factor=1.0), ValueError,
+         r"backoff_factor must be a number > 0 and < 1, got 1\.0", r"default is 0\.5"),
+    Case("from_torch_grad_scaler: fractional growth interval",
+         lambda: jaxmp.from_torch_grad_scaler(growth_interval=2.5), TypeError,
+         r"growth_interval must be an integer, got 2\.5", r"default is 2000"),
+    Case("from_torch_grad_scaler: enabled given as a string",
+         lambda: jaxmp.from_torch_grad_scaler(enabled="yes"), TypeError,
+         r"enabled must be True or False, got 'yes'", r"PyTorch's default is True"),
     # -- Flax, diagnostics, distributed --------------------------------------------
     Case("TrainState.create: an optimizer already wrapped",
          lambda: jaxmp.flax.TrainState.create(apply_fn=None, params=PARAMS, tx=TX),
@@ -525,16 +612,92 @@ def test_unknown_cli_subcommand(capsys):
   assert re.search(r"choose from .*doctor", stderr)  # and the valid ones
 
 
-def test_cli_convert_of_a_bad_file(tmp_path, capsys):
+# -- Migration: `jaxmp convert` ------------------------------------------------
+# The command prints one line, "jaxmp convert: error: ...", exits with 2 and
+# prints no code. Values that only the generated code reads (the optimizer,
+# clipping, accumulation) are checked there, so that the code never holds a
+# value that optax refuses or that trains into nan.
+
+CONVERT_CASES = [
+    ('{"optimizer": {"type": "AdamW", "params": {"lr": NaN}}}',
+     r"optimizer\.params\.lr must be a number, got nan", r"e\.g\. 1e-3, or \"auto\""),
+    ('{"optimizer": {"type": "AdamW", "params": {"lr": Infinity}}}',
+     r"optimizer\.params\.lr must be finite, got inf", r"e\.g\. 1e-3"),
+    ('{"optimizer": {"type": "AdamW", "params": {"lr": "1e-3"}}}',
+     r"optimizer\.params\.lr must be a number, got '1e-3' of type str",
+     r"Write a JSON number, without quotes"),
+    ('{"optimizer": {"type": "AdamW", "params": {"lr": true}}}',
+     r"optimizer\.params\.lr must be a number, got True of type bool", r"e\.g\. 1e-3"),
+    ('{"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9]}}}',
+     r"optimizer\.params\.betas must be a list of two numbers", r"such as \[0\.9, 0\.999\]"),
+    ('{"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 1.5]}}}',
+     r"optimizer\.params\.betas\[1\] .*got 1\.5", r"must be a number >= 0 and < 1"),
+    ('{"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": -0.1}}}',
+     r"optimizer\.params\.weight_decay .*got -0\.1", r"must be a number >= 0"),
+    ('{"optimizer": "adam"}', r"'optimizer' must be an object .*got 'adam'",
+     r'such as \{"type": "AdamW", "params": \{"lr": 1e-3\}\}'),
+    ('{"optimizer": {"type": 3}}', r"optimizer\.type must be a string", r'such as "AdamW"'),
+    ('{"gradient_clipping": Infinity}', r"gradient_clipping must be finite, got inf",
+     r"Use 0 for no clipping, or the max global norm"),
+    ('{"gradient_clipping": "1.0"}', r"gradient_clipping must be a number, got '1\.0'",
+     r"Write a JSON number, without quotes"),
+    ('{"gradient_clipping": -1}', r"gradient_clipping must be a number >= 0, got -1",
+     r"Use 0 for no clipping"),
+    ('{"gradient_accumulation_steps": "4"}',
+     r"gradient_accumulation_steps must be an integer, got '4'", r"without quotes"),
+    ('{"gradient_accumulation_steps": true}',
+     r"gradient_accumulation_steps must be an integer, got True",
+     r"the number of micro-batches per optimizer step"),
+    ('{"gradient_accumulation_steps": 0}',
+     r"gradient_accumulation_steps must be an integer >= 1 .*got 0",
+     r"the number of micro-batches per optimizer step"),
+    ('{"gradient_accumulation_steps": 2.5}',
+     r"gradient_accumulation_steps must be an integer, got 2\.5",
+     r"the number of micro-batches per optimizer step"),
+    ('{"fp16": {"enabled": true}, "fp16": {"enabled": false}}',
+     r"gives the key 'fp16' twice", r"Keep one of them"),
+    ('{"fp16": {"enabled": true, "initial_scale_pwr": 8}}',
+     r"fp16\.initial_scale_pwr is not a key", r"Did you mean 'initial_scale_power'\?"),
+    ("[" * 100_000 + "]" * 100_000, r"is nested too deeply to parse",
+     r"check that this is the right file"),
+]
+
+
+def _convert_error(capsys, argv):
+  code = cli.main(["convert", *argv])
+  captured = capsys.readouterr()
+  assert code == 2
+  assert captured.out == "" and "Traceback" not in captured.err
+  lines = captured.err.splitlines()
+  assert len(lines) == 1 and lines[0].startswith("jaxmp convert: error: "), captured.err
+  return lines[0]
+
+
+@pytest.mark.parametrize("text, problem, fix", CONVERT_CASES,
+                         ids=[f"convert-{i}" for i in range(len(CONVERT_CASES))])
+def test_cli_convert_explains_bad_configs(tmp_path, capsys, text, problem, fix):
+  path = tmp_path / "ds_config.json"
+  path.write_text(text)
+  line = _convert_error(capsys, [str(path)])
+  assert re.search(problem, line), line
+  assert re.search(fix, line), line
+
+
+def test_cli_convert_of_a_bad_file(tmp_path, capsys, monkeypatch):
   path = tmp_path / "ds_config.json"
   path.write_text('{"fp16": {"enabled": true, "loss_scale": -1}}')
-  assert cli.main(["convert", str(path)]) == 2
-  captured = capsys.readouterr()
-  assert captured.out == "" and "Traceback" not in captured.err
-  assert captured.err.startswith("jaxmp convert: error: ")
-  assert "fp16.loss_scale must be 0 (dynamic loss scaling) or a positive" in captured.err
-  assert cli.main(["convert", str(tmp_path / "missing.json")]) == 2
-  assert "no such file" in capsys.readouterr().err
+  line = _convert_error(capsys, [str(path)])
+  assert line == (
+      "jaxmp convert: error: DeepSpeed config: fp16.loss_scale must be a number >= 0 "
+      "and <= 3.40282e+38, got -1. Use 0 (dynamic loss scaling) or a positive static "
+      "scale.")
+  line = _convert_error(capsys, [str(tmp_path / "missing.json")])
+  assert "no such file" in line and "missing.json" in line
+  monkeypatch.setattr(sys, "stdin", io.StringIO("[" * 100_000))
+  line = _convert_error(capsys, ["-"])
+  assert line.endswith("standard input is nested too deeply to parse; a DeepSpeed "
+                       "config is an object a few levels deep: check that this is the "
+                       "right file")
 
 
 def test_a_changed_loss_scale_kind_in_a_checkpoint(tmp_path):

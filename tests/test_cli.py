@@ -1,9 +1,19 @@
-"""Tests of the command line: `jaxmp convert`, `jaxmp doctor`, errors."""
+"""Tests of the command line: `jaxmp convert` and `jaxmp doctor`.
 
+The commands run in-process through ``jaxmp.__main__.main``; one smoke test
+runs ``python -m jaxmp`` in a subprocess. Bad input is in the bad-input
+catalogue (``tests/test_bad_input.py``).
+"""
+
+import io
 import json
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
 import jaxmp
@@ -18,96 +28,184 @@ GOOD_CONFIG = """\
     "loss_scale_window": 1000,
     "initial_scale_power": 16,
     "hysteresis": 2,
-    "min_loss_scale": 1e-5
+    "min_loss_scale": 1e-5,
   },
   /* ZeRO and offload have no jaxmp equivalent. */
   "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
-  "gradient_accumulation_steps": 4
+  "gradient_accumulation_steps": 4,
 }
 """
 
 
-def _jaxmp(*args, timeout=120):
-  return subprocess.run(
-      [sys.executable, "-m", "jaxmp", *args],
-      capture_output=True, text=True, timeout=timeout, check=False,
-  )
+def _convert(capsys, *args):
+  code = cli.main(["convert", *args])
+  out, err = capsys.readouterr()
+  return code, out, err
 
 
-def test_convert_good_file(tmp_path):
+def _run_printed(code):
+  namespace = {}
+  exec(compile(code, "<jaxmp convert>", "exec"), namespace)  # pylint: disable=exec-used
+  return namespace
+
+
+def test_convert_good_file(tmp_path, capsys):
   path = tmp_path / "ds_config.json"
   path.write_text(GOOD_CONFIG)
-  result = _jaxmp("convert", str(path))
-  assert result.returncode == 0, result.stderr
-  namespace = {}
-  exec(result.stdout, namespace)  # pylint: disable=exec-used
+  code, out, err = _convert(capsys, str(path))
+  assert code == 0, err
+  namespace = _run_printed(out)
   policy, loss_scale = jaxmp.from_deepspeed_config(path)
   assert namespace["policy"] == policy == jaxmp.get_policy("mixed_float16")
   assert repr(namespace["loss_scale"]) == repr(loss_scale)
-  assert "optax.MultiSteps(tx, every_k_schedule=4)" in result.stdout
-  warnings = result.stderr.splitlines()
+  assert "tx = jaxmp.multi_steps(optimizer, loss_scale, every_k_schedule=4)" in out
+  assert "MultiSteps" not in out
+  assert out.startswith(f"# jaxmp equivalent of the DeepSpeed config {path}.\n")
+  warnings = err.splitlines()
   assert all(line.startswith("jaxmp convert: warning: ") for line in warnings)
-  assert any("'zero_optimization'" in line for line in warnings)
-  assert any("'zero_optimization.offload_param'" in line for line in warnings)
+  assert [line.split("'")[1] for line in warnings] == [
+      "gradient_clipping", "zero_optimization", "zero_optimization.offload_param"]
 
 
-def test_convert_bad_file_in_a_subprocess(tmp_path):
+def test_convert_reads_standard_input(tmp_path, capsys, monkeypatch):
   path = tmp_path / "ds_config.json"
-  path.write_text('{"fp16": {"enabled": true,,}}')
-  result = _jaxmp("convert", str(path))
-  assert result.returncode == 2
-  assert result.stdout == ""
-  assert "Traceback" not in result.stderr
-  lines = result.stderr.splitlines()
-  assert len(lines) == 1 and lines[0].startswith("jaxmp convert: error: ")
-  assert "not valid JSON" in lines[0] and "line 1" in lines[0]
-
-
-def test_convert_missing_file(tmp_path, capsys):
-  assert cli.main(["convert", str(tmp_path / "missing.json")]) == 2
-  out, err = capsys.readouterr()
-  assert out == "" and len(err.splitlines()) == 1 and "no such file" in err
-
-
-@pytest.mark.parametrize("config, match", [
-    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, "both enabled"),
-    ({"fp16": {"enabled": True, "hysteresis": 0}}, "hysteresis"),
-    ({"fp16": {"enabled": True, "min_loss_scale": 1e9}}, "above the initial"),
-    ({"optimizer": "adam"}, "'optimizer' must be an object"),
-    ({"gradient_clipping": -1}, "gradient_clipping"),
-    ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
-])
-def test_convert_bad_values(tmp_path, capsys, config, match):
-  path = tmp_path / "ds_config.json"
-  path.write_text(json.dumps(config))
-  assert cli.main(["convert", str(path)]) == 2
-  out, err = capsys.readouterr()
-  assert out == ""
-  assert len(err.splitlines()) == 1 and match in err
+  path.write_text(GOOD_CONFIG)
+  _, from_file, _ = _convert(capsys, str(path))
+  monkeypatch.setattr(sys, "stdin", io.StringIO("\ufeff" + GOOD_CONFIG))
+  code, from_stdin, err = _convert(capsys, "-")
+  assert code == 0, err
+  first, *rest = from_stdin.splitlines(keepends=True)
+  assert first == "# jaxmp equivalent of the DeepSpeed config read from standard input.\n"
+  assert rest == from_file.splitlines(keepends=True)[1:]
 
 
 def test_convert_enabled_auto_warns_on_one_line(tmp_path, capsys):
   path = tmp_path / "ds_config.json"
-  path.write_text('{"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}}')
-  assert cli.main(["convert", str(path)]) == 0
-  out, err = capsys.readouterr()
+  path.write_text('{"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},'
+                  ' "gradient_clipping": 0}')
+  code, out, err = _convert(capsys, str(path))
+  assert code == 0
   assert 'jaxmp.get_policy("float32")' in out
   lines = err.splitlines()
   assert len(lines) == 2 and all('.enabled is "auto"' in line for line in lines)
 
 
+def test_convert_bad_file_in_a_subprocess():
+  """The command as a user runs it: exit status 2, one line, no traceback."""
+  result = subprocess.run(
+      [sys.executable, "-m", "jaxmp", "convert", "-"],
+      input='{"fp16": {"enabled": true,,}}', capture_output=True, text=True,
+      timeout=120, check=False,
+  )
+  assert result.returncode == 2
+  assert result.stdout == ""
+  assert result.stderr == (
+      "jaxmp convert: error: standard input is not valid JSON: Expecting property "
+      "name enclosed in double quotes at line 1, column 27\n")
+
+
 def test_doctor_text_and_json(capsys):
   assert cli.main(["doctor"]) == 0
   assert "cpu" in capsys.readouterr().out.lower()
-  machine = _jaxmp("doctor", "--json")
-  assert machine.returncode == 0, machine.stderr
-  report = json.loads(machine.stdout)
+  assert cli.main(["doctor", "--json"]) == 0
+  report = json.loads(capsys.readouterr().out)
   assert report["platform"] == "cpu"
+  assert report == jaxmp.hardware_report().as_dict()
 
 
-def test_unknown_subcommand():
-  result = _jaxmp("frobnicate")
-  assert result.returncode != 0
-  assert "Traceback" not in result.stderr
-  errors = [line for line in result.stderr.splitlines() if "error" in line]
-  assert len(errors) == 1 and "frobnicate" in errors[0]
+# ---------------------------------------------------------------------------
+# Training with the printed code: accumulation over 4 micro-batches.
+
+TRAINING_CONFIG = """\
+{
+  "%s": {"enabled": true%s},
+  "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+  "gradient_clipping": 0,
+  "gradient_accumulation_steps": 4,
+}
+"""
+PRECISIONS = {
+    # name: (block, extra keys, loss scale after one overflow, rtol of the update)
+    "fp16": ("fp16", ', "initial_scale_power": 8, "hysteresis": 2', 256.0, 2e-2),
+    "bf16": ("bf16", "", 1.0, 5e-2),
+}
+
+
+def _batches(n, seed):
+  rng = np.random.default_rng(seed)
+  xs = rng.normal(size=(n, 8, 3)).astype(np.float32)
+  ys = xs @ np.array([1.0, 2.0, -1.0], np.float32) + np.float32(0.5)
+  return [{"x": jnp.asarray(x), "y": jnp.asarray(y)} for x, y in zip(xs, ys)]
+
+
+def _float32_loss(params, batch):
+  return jnp.mean((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_printed_code_trains_with_accumulation(tmp_path, capsys, precision):
+  block, extra, scale_after_overflow, rtol = PRECISIONS[precision]
+  path = tmp_path / "ds_config.json"
+  path.write_text(TRAINING_CONFIG % (block, extra))
+  code, out, err = _convert(capsys, str(path))
+  assert code == 0, err
+  namespace = _run_printed(out)
+  policy, tx = namespace["policy"], namespace["tx"]
+  assert "jaxmp.multi_steps(" in out
+
+  def loss_fn(params, batch):
+    params, x = policy.cast_to_compute((params, batch["x"]))
+    prediction = policy.cast_to_output(x @ params["w"] + params["b"])
+    return jnp.mean((prediction - batch["y"]) ** 2)
+
+  @jax.jit
+  def micro_step(params, opt_state, batch):
+    loss_scale = jaxmp.get_loss_scale(opt_state)
+    _, grads = jaxmp.scaled_value_and_grad(loss_fn, loss_scale)(params, batch)
+    # optax.MultiSteps's running mean divides by its int32 micro-step
+    # counter, which strict dtype promotion refuses.
+    with jax.numpy_dtype_promotion("standard"):
+      updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  params = {"w": jnp.array([0.5, -0.25, 1.0]), "b": jnp.array(0.1)}
+  opt_state = tx.init(params)
+
+  def same(a, b):
+    return all(jax.tree.leaves(jax.tree.map(
+        lambda x, y: np.array_equal(np.asarray(x).view(np.uint32),
+                                    np.asarray(y).view(np.uint32)), a, b)))
+
+  # 1. Four clean micro-batches: nothing moves until the fourth, which
+  # applies -lr times the mean gradient.
+  batches = _batches(4, seed=0)
+  start = params
+  for i, batch in enumerate(batches):
+    params, opt_state = micro_step(params, opt_state, batch)
+    assert same(params, start) == (i < 3), i
+  mean_grad = jax.tree.map(lambda *g: sum(g) / 4, *[
+      jax.grad(_float32_loss)(start, batch) for batch in batches])
+  expected = jax.tree.map(lambda p, g: p - 0.1 * g, start, mean_grad)
+  for key in params:
+    np.testing.assert_allclose(params[key], expected[key], rtol=rtol, atol=1e-3)
+  assert int(jaxmp.loss_scaling_metrics(opt_state)["skipped_steps"]) == 0
+
+  # 2. A nan in the second micro-batch skips the whole accumulated step; the
+  # accumulator starts clean afterwards (not poisoned with nan).
+  before = params
+  bad = _batches(4, seed=1)
+  bad[1] = {"x": bad[1]["x"].at[0, 0].set(jnp.nan), "y": bad[1]["y"]}
+  for batch in bad:
+    params, opt_state = micro_step(params, opt_state, batch)
+  assert same(params, before)
+  metrics = jaxmp.loss_scaling_metrics(opt_state)
+  assert int(metrics["skipped_steps"]) == 1
+  assert float(metrics["loss_scale"]) == scale_after_overflow
+  assert all(bool(jnp.all(acc == 0)) for acc in jax.tree.leaves(opt_state.acc_grads))
+
+  # 3. The next accumulation trains again.
+  for batch in _batches(4, seed=2):
+    params, opt_state = micro_step(params, opt_state, batch)
+  assert not same(params, before)
+  assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(params))
+  assert int(jaxmp.loss_scaling_metrics(opt_state)["skipped_steps"]) == 1

@@ -32,7 +32,8 @@ def _run_doctor(args: argparse.Namespace) -> int:
 def _add_convert(parser: argparse.ArgumentParser) -> None:
   parser.add_argument(
       "config", metavar="CONFIG.json",
-      help="a DeepSpeed config (JSON; // and /* */ comments are accepted)",
+      help="a DeepSpeed config file, or - to read it from standard input "
+      "(JSON; // and /* */ comments and trailing commas are accepted)",
   )
 
 
@@ -40,6 +41,7 @@ def _run_convert(args: argparse.Namespace) -> int:
   import warnings  # pylint: disable=g-import-not-at-top
 
   from jaxmp._src.codegen import deepspeed_config_to_code  # pylint: disable=g-import-not-at-top
+  from jaxmp._src.deepspeed import parse_deepspeed_json  # pylint: disable=g-import-not-at-top
 
   def one_line(text: str) -> str:
     return " ".join(str(text).split())
@@ -47,9 +49,12 @@ def _run_convert(args: argparse.Namespace) -> int:
   try:
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always")
-      code, left_out = deepspeed_config_to_code(
-          args.config, source=f"the DeepSpeed config {args.config}"
-      )
+      if args.config == "-":
+        config = parse_deepspeed_json(sys.stdin.read(), "standard input")
+        source = "the DeepSpeed config read from standard input"
+      else:
+        config, source = args.config, f"the DeepSpeed config {args.config}"
+      code, left_out = deepspeed_config_to_code(config, source=source)
   except (ValueError, TypeError) as e:
     print(f"jaxmp convert: error: {one_line(e)}", file=sys.stderr)
     return 2

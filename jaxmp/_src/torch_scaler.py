@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
-import numbers
-
 from jaxmp._src.loss_scale import (
     INT32_MAX,
     DynamicLossScale,
     LossScale,
     NoOpLossScale,
 )
+from jaxmp._src.validation import check_bool, check_number
 
 # PyTorch's GradScaler never grows when ``growth_interval <= 0``. jaxmp's
 # period is an int32 step count, so "never" is represented by the largest
@@ -60,9 +58,11 @@ def from_torch_grad_scaler(
     ``enabled`` is false.
 
   Raises:
-    TypeError: for non-numbers (e.g. a device name passed positionally).
+    TypeError: for non-numbers (e.g. a device name passed positionally), a
+      non-integer ``growth_interval`` or a non-bool ``enabled``.
     ValueError: for a non-positive or non-finite ``init_scale``,
-      ``growth_factor <= 1`` or ``backoff_factor`` outside (0, 1).
+      ``growth_factor <= 1`` or ``backoff_factor`` outside (0, 1), also with
+      ``enabled=False`` (PyTorch checks the factors only when enabled).
 
   Example:
     >>> import jax.numpy as jnp, jaxmp
@@ -71,51 +71,29 @@ def from_torch_grad_scaler(
     >>> float(ls.loss_scale)
     2048.0
   """
-  if not isinstance(enabled, bool):
-    raise TypeError(f"from_torch_grad_scaler: enabled must be a bool, got {enabled!r}.")
-  for name, value in (
-      ("init_scale", init_scale),
-      ("growth_factor", growth_factor),
-      ("backoff_factor", backoff_factor),
-      ("growth_interval", growth_interval),
+  owner = "from_torch_grad_scaler"
+  enabled = check_bool(owner, "enabled", enabled, advice="PyTorch's default is True.")
+  values = {}
+  for name, value, default, bounds in (
+      ("init_scale", init_scale, "65536.0", dict(minimum=0, exclusive_minimum=True)),
+      ("growth_factor", growth_factor, "2.0", dict(minimum=1, exclusive_minimum=True)),
+      ("backoff_factor", backoff_factor, "0.5",
+       dict(minimum=0, maximum=1, exclusive_minimum=True, exclusive_maximum=True)),
+      ("growth_interval", growth_interval, "2000", dict(integer=True)),
   ):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-      hint = (
-          " It looks like a device name: jaxmp takes no device argument, drop it."
-          if isinstance(value, str) else ""
-      )
-      raise TypeError(
-          f"from_torch_grad_scaler: {name} must be a number, got {value!r}.{hint}"
-      )
+    advice = f"PyTorch's default is {default}."
+    if isinstance(value, str):
+      advice = "It looks like a device name: jaxmp takes no device argument, drop it."
+    values[name] = check_number(owner, name, value, advice=advice, **bounds)
   if not enabled:
     return NoOpLossScale()
-  if not (math.isfinite(init_scale) and init_scale > 0):
-    raise ValueError(
-        f"from_torch_grad_scaler: init_scale must be positive and finite, got "
-        f"{init_scale!r}; PyTorch's default is 65536.0."
-    )
-  if not (math.isfinite(growth_factor) and growth_factor > 1):
-    raise ValueError(
-        f"from_torch_grad_scaler: growth_factor must be a finite number > 1, "
-        f"got {growth_factor!r}; PyTorch's default is 2.0."
-    )
-  if not 0 < backoff_factor < 1:
-    raise ValueError(
-        f"from_torch_grad_scaler: backoff_factor must lie strictly between 0 "
-        f"and 1, got {backoff_factor!r}; PyTorch's default is 0.5."
-    )
-  if not float(growth_interval).is_integer():
-    raise TypeError(
-        f"from_torch_grad_scaler: growth_interval must be an integer, got "
-        f"{growth_interval!r}."
-    )
-  period = int(growth_interval)
+  period = values["growth_interval"]
   if period <= 0 or period > NEVER_GROW_PERIOD:
     period = NEVER_GROW_PERIOD
   return DynamicLossScale(
-      float(init_scale),
+      values["init_scale"],
       period=period,
-      factor=float(growth_factor),
+      factor=values["growth_factor"],
       min_loss_scale=0.0,
-      backoff_factor=float(backoff_factor),
+      backoff_factor=values["backoff_factor"],
   )

@@ -1,0 +1,65 @@
+"""`import jaxmp as jmp`: jmp's public names and README idioms give jmp's results."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmp
+
+JMP_NAMES = ["Policy", "get_policy", "DynamicLossScale", "StaticLossScale",
+             "NoOpLossScale", "all_finite", "select_tree", "half_dtype",
+             "cast_to_full", "cast_to_half"]
+
+
+def test_jmp_public_names_exist():
+  jmp = pytest.importorskip("jmp")
+  for name in JMP_NAMES:
+    assert hasattr(jaxmp, name), name
+  assert {n for n in dir(jmp) if not n.startswith("_")} <= set(dir(jaxmp))
+
+
+def _jmp_style_training(jmp):
+  """jmp's README idioms, written against the module passed in."""
+  policy = jmp.get_policy("params=float32,compute=float16,output=float32")
+  params = {"w": jnp.full((3,), 0.5), "step": jnp.zeros((), jnp.int32)}
+  half = jmp.cast_to_half(params)
+  full = jmp.cast_to_full(half)
+  loss_scale = jmp.DynamicLossScale(jnp.float32(2**15), period=2)
+  static = jmp.StaticLossScale(jnp.float32(2**4))
+  out = []
+  for g in [1.0, jnp.inf, 1.0, 1.0]:
+    grads = loss_scale.scale({"w": jnp.full((3,), g, jnp.float32)})
+    grads = loss_scale.unscale(grads)
+    finite = jmp.all_finite(grads)
+    loss_scale = loss_scale.adjust(finite)
+    new = jmp.select_tree(finite, {"w": params["w"] - 0.1}, {"w": params["w"]})
+    out.append((float(loss_scale.loss_scale), bool(finite), new["w"].tolist()))
+  return (
+      policy.compute_dtype == jnp.float16,
+      policy.cast_to_compute(params)["w"].dtype, half["w"].dtype, half["step"].dtype,
+      full["w"].dtype, jmp.half_dtype() == jnp.float16, jmp.half_dtype()(2.0).dtype,
+      float(static.scale(jnp.float32(2.0))), float(jmp.NoOpLossScale().scale(3.0)),
+      out,
+  )
+
+
+def test_jmp_idioms_give_the_same_results():
+  jmp = pytest.importorskip("jmp")
+  # jmp's own adjust multiplies a float32 array by a Python float, which
+  # strict dtype promotion refuses.
+  with warnings.catch_warnings(), jax.numpy_dtype_promotion("standard"):
+    warnings.simplefilter("ignore", DeprecationWarning)
+    expected = _jmp_style_training(jmp)
+  assert _jmp_style_training(jaxmp) == expected
+
+
+def test_half_dtype_is_callable_like_jmp():
+  # A core fix: jmp.half_dtype() returns the JAX scalar type, which README code
+  # calls (`jmp.half_dtype()(2 ** 15)`); it also still equals the NumPy dtype.
+  assert jaxmp.half_dtype() is jnp.float16
+  assert jaxmp.half_dtype()(2.0).dtype == np.dtype("float16")
+  assert jaxmp.get_policy("half").compute_dtype == np.dtype("float16")
+  assert jaxmp.cast_to_half(jnp.ones(2)).dtype == np.dtype("float16")
