@@ -33,6 +33,12 @@ from jaxmp._src.loss_scaling import (
 )
 from jaxmp._src.monitor import LossScaleMonitor
 from jaxmp._src.path_policy import PathPolicy
+from jaxmp._src.precision_audit import (
+    PrecisionOp,
+    PrecisionReport,
+    PrecisionWarning,
+    precision_report,
+)
 from jaxmp._src.policy import (
     Policy,
     auto_policy,
@@ -87,6 +93,11 @@ __all__ = [
     "finite_mask",
     "report_nonfinite",
     "LossScaleMonitor",
+    # The precision audit.
+    "precision_report",
+    "PrecisionReport",
+    "PrecisionOp",
+    "PrecisionWarning",
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from jaxmp._src.loss_scale import LossScale
+from jaxmp._src.precision_audit import warn_on_first_trace
 from jaxmp._src.value_and_grad import scale_then_differentiate
 
 
@@ -59,8 +60,18 @@ def nnx_scaled_value_and_grad(
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  return scale_then_differentiate(
+  grad_fn = scale_then_differentiate(
       nnx.value_and_grad, fun, loss_scale, argnums=argnums, has_aux=has_aux,
       caller="nnx_scaled_value_and_grad",
       state_hint="With an nnx.Optimizer, pass "
       "jaxmp.get_loss_scale(optimizer.opt_state).")
+
+  def on_a_copy(args, kwargs):  # the audit traces a copy: the model is untouched
+    graphdef, state = nnx.split((args, kwargs))
+    return lambda state: (lambda a, k: fun(*a, **k))(*nnx.merge(graphdef, state)), state
+
+  # At trace time, once per compilation: warn if the 16-bit dtype the model
+  # computes in does not take effect (docs/precision-audit.md).
+  return warn_on_first_trace(
+      grad_fn, fun, compute_dtype=None, caller="nnx_scaled_value_and_grad",
+      prepare=on_a_copy)

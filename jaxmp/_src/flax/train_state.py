@@ -17,6 +17,7 @@ from jaxmp._src.loss_scaling import (
   loss_scaling_metrics,
 )
 from jaxmp._src.policy import PolicyLike, get_policy
+from jaxmp._src.precision_audit import warn_on_first_trace
 from jaxmp._src.value_and_grad import scaled_value_and_grad
 
 
@@ -188,4 +189,9 @@ class TrainState(train_state.TrainState):
       args, kwargs = io_policy.cast_to_compute((args, kwargs))
       return io_policy.cast_to_output(loss_fn(params, *args, **kwargs))
 
-    return scaled_value_and_grad(run, self.loss_scale, has_aux=has_aux)
+    grad_fn = scaled_value_and_grad(run, self.loss_scale, has_aux=has_aux)
+    # At trace time, once per compilation: warn if the policy does not take
+    # effect (docs/precision-audit.md).
+    return warn_on_first_trace(
+        grad_fn, run, compute_dtype=io_policy.compute_dtype,
+        caller="TrainState.value_and_grad", names_from=loss_fn)
