@@ -33,12 +33,6 @@ from jaxmp._src.loss_scaling import (
 )
 from jaxmp._src.monitor import LossScaleMonitor
 from jaxmp._src.path_policy import PathPolicy
-from jaxmp._src.precision_audit import (
-    PrecisionOp,
-    PrecisionReport,
-    PrecisionWarning,
-    precision_report,
-)
 from jaxmp._src.policy import (
     Policy,
     auto_policy,
@@ -46,6 +40,12 @@ from jaxmp._src.policy import (
     cast_to_half,
     get_policy,
     half_dtype,
+)
+from jaxmp._src.precision_audit import (
+    PrecisionOp,
+    PrecisionReport,
+    PrecisionWarning,
+    precision_report,
 )
 from jaxmp._src.sharding import opt_state_shardings
 from jaxmp._src.torch_scaler import from_torch_grad_scaler
