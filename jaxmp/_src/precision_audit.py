@@ -82,9 +82,8 @@ class PrecisionWarning(UserWarning):
     >>> import warnings, jaxmp
     >>> issubclass(jaxmp.PrecisionWarning, UserWarning)
     True
-    >>> with warnings.catch_warnings():
-    ...   warnings.simplefilter("error", jaxmp.PrecisionWarning)  # make it fatal
-    ...   warnings.filterwarnings("ignore", category=jaxmp.PrecisionWarning)
+    >>> with warnings.catch_warnings():  # fail instead of warning, e.g. in CI
+    ...   warnings.simplefilter("error", jaxmp.PrecisionWarning)
   """
 
 

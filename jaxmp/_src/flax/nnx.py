@@ -25,6 +25,11 @@ def nnx_scaled_value_and_grad(
   :func:`jaxmp.loss_scaling` expects. The returned value is the *unscaled*
   loss (with aux when ``has_aux``).
 
+  The first call with given shapes (under ``jit``: once per compilation)
+  also traces ``fun`` on a copy of the model, running nothing, and warns with
+  a :class:`jaxmp.PrecisionWarning` when the model's 16-bit dtype does not
+  take effect (see :func:`jaxmp.precision_report`).
+
   Args:
     fun: the loss function; returns a scalar (and aux when ``has_aux``).
     loss_scale: the current loss scale,

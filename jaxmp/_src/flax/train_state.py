@@ -167,6 +167,12 @@ class TrainState(train_state.TrainState):
     *scaled* loss with respect to ``params``, in the params' own dtype, ready
     for :meth:`apply_gradients`.
 
+    The first call with given shapes (under ``jit``: once per compilation)
+    also traces the forward pass once more, as :func:`jaxmp.precision_report`
+    does (running nothing), and warns with a :class:`jaxmp.PrecisionWarning` when a 16-bit
+    policy does not take effect (a layer's own ``dtype=jnp.float32``, a
+    float32 batch captured by ``loss_fn``'s closure).
+
     Args:
       loss_fn: ``loss_fn(params, *args, **kwargs)`` returning a scalar loss,
         or ``(loss, aux)`` when ``has_aux``.
