@@ -8,7 +8,7 @@ and output dtypes, shapes, FLOPs, pass (forward or backward), module path and
 source line.
 
 The Flax helpers run the same audit once per trace, through
-:func:`warn_on_first_trace`, and raise a :class:`PrecisionWarning` when a
+:func:`warn_on_first_trace`, and warn with a :class:`PrecisionWarning` when a
 half-precision policy ends up computing most of its matmul FLOPs in float32.
 """
 
@@ -378,7 +378,7 @@ def _leaf_paths(tree: Any, names: list[str]) -> list[tuple[str, Any]]:
   return out
 
 
-def trace(
+def _trace(
     call: Callable[[Any], Any], tree: Any, names: list[str]
 ) -> tuple[jex_core.ClosedJaxpr, list[str]]:
   """The jaxpr of ``call(tree)`` and the argument path of each of its inputs.
@@ -446,7 +446,7 @@ def _join(alternatives: list[_Facts]) -> _Facts:
 
 
 def _aval_str(aval: Any) -> str:
-  return f"{np.dtype(aval.dtype).name}[{','.join(map(str, aval.shape))}]"
+  return f"{aval.dtype}[{','.join(map(str, aval.shape))}]"
 
 
 def _constant_facts(var: Any) -> _Facts:
@@ -643,7 +643,7 @@ class _Walker:
 def _audit(
     call: Callable[[Any], Any], tree: Any, names: list[str]
 ) -> tuple[PrecisionReport, set[str]]:
-  closed, paths = trace(call, tree, names)
+  closed, paths = _trace(call, tree, names)
   walker = _Walker()
   jaxpr = closed.jaxpr
   for var in jaxpr.constvars:
@@ -781,7 +781,7 @@ def _names(ops: Iterable[PrecisionOp], limit: int = 6) -> str:
   return shown
 
 
-def precision_warning_text(
+def _warning_text(
     report: PrecisionReport, compute_dtype: Any, caller: str
 ) -> str | None:
   """The text of the :class:`PrecisionWarning` for ``report``, or ``None``.
@@ -848,7 +848,7 @@ def _signature(args: tuple, kwargs: dict) -> Any:
   key = []
   for leaf in leaves:
     if _is_array(leaf):
-      key.append((tuple(leaf.shape), np.dtype(leaf.dtype).name,
+      key.append((tuple(leaf.shape), str(leaf.dtype),
                   bool(getattr(leaf, "weak_type", False))))
     else:
       try:
@@ -907,7 +907,7 @@ def warn_on_first_trace(
       report, recast_from = _audit(call, tree, names)
       dtype = compute_dtype if compute_dtype is not None else _seen_half(
           report, recast_from)
-      text = None if dtype is None else precision_warning_text(report, dtype, caller)
+      text = None if dtype is None else _warning_text(report, dtype, caller)
       if text is not None:
         warnings.warn(text, PrecisionWarning, stacklevel=2)
     return out
