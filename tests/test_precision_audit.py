@@ -281,6 +281,19 @@ def test_a_model_with_its_own_float32_dtype_warns_naming_the_layers_and_the_fix(
   assert forward[0].operands == ("x", "state/params/hidden/kernel")
 
 
+class WarnsJittedOrNotTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_the_warning_comes_at_the_first_call_either_way(self):
+    state, _ = linen_state(dtype=jnp.float32)
+    step = self.variant(make_step())
+    with pytest.warns(jaxmp.PrecisionWarning, match="inside MLP/hidden, MLP/Dense_0"):
+      new_state, loss = step(state, X, Y)
+    # and the step itself runs as before (test_flax_train_state checks its values).
+    self.assertEqual(int(new_state.step), 1)
+    self.assertTrue(np.isfinite(loss))
+
+
 def test_a_module_policy_does_not_hide_the_models_dtype():
   policy = jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_float16")
   state, _ = linen_state(dtype=jnp.float32, policy=policy)
