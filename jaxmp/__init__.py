@@ -42,6 +42,12 @@ from jaxmp._src.policy import (
     get_policy,
     half_dtype,
 )
+from jaxmp._src.precision_audit import (
+    PrecisionOp,
+    PrecisionReport,
+    PrecisionWarning,
+    precision_report,
+)
 from jaxmp._src.sharding import opt_state_shardings
 from jaxmp._src.torch_scaler import from_torch_grad_scaler
 from jaxmp._src.value_and_grad import scaled_value_and_grad
@@ -89,6 +95,11 @@ __all__ = [
     "finite_mask",
     "report_nonfinite",
     "LossScaleMonitor",
+    # The precision audit.
+    "precision_report",
+    "PrecisionReport",
+    "PrecisionOp",
+    "PrecisionWarning",
 ]
 
 

@@ -23,6 +23,8 @@ PUBLIC = {
     # Diagnostics and monitoring.
     "nonfinite_paths", "grad_stats", "dtype_headroom", "suggest_loss_scale",
     "finite_mask", "report_nonfinite", "LossScaleMonitor",
+    # The precision audit.
+    "precision_report", "PrecisionReport", "PrecisionOp", "PrecisionWarning",
 }
 
 FLAX_PUBLIC = {

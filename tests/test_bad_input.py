@@ -474,6 +474,22 @@ CASES = [
          lambda: jaxmp.opt_state_shardings(TX, PARAMS, {"w": None}), ValueError,
          r"param_shardings must have the structure of params",
          r"one sharding or PartitionSpec per leaf"),
+    # -- The precision audit ------------------------------------------------------
+    Case("precision_report: arguments without the function",
+         lambda: jaxmp.precision_report(jnp.ones(2), jnp.ones(2)), TypeError,
+         r"expects a function as its first argument, got ArrayImpl",
+         r"jaxmp\.precision_report\(loss_fn, params, batch\)"),
+    Case("PrecisionReport.flops_share: a function without matmuls",
+         lambda: jaxmp.precision_report(jnp.tanh, jnp.ones(2)).flops_share("f16"),
+         ValueError, r"the function has no matmul or convolution",
+         r"Check report\.ops first"),
+    Case("PrecisionReport.flops: an unknown direction",
+         lambda: jaxmp.precision_report(jnp.dot, jnp.ones(2), jnp.ones(2)).flops(
+             "backwards"), ValueError, r"got 'backwards'",
+         r"direction must be None or one of 'forward', 'backward', 'recompute'"),
+    Case("PrecisionReport.ops_outside: an unknown dtype name",
+         lambda: jaxmp.precision_report(jnp.dot, jnp.ones(2), jnp.ones(2)).ops_outside(
+             "f17"), ValueError, r"Unknown dtype 'f17'", VALID_DTYPES),
 ]
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.loss_scaling import _find_state
+from jaxmp._src.precision_audit import warn_on_first_trace
 from jaxmp._src.value_and_grad import scale_then_differentiate
 
 
@@ -29,6 +30,11 @@ def nnx_scaled_value_and_grad(
   ``loss_scale.scale(loss)``, which is what an ``nnx.Optimizer`` built on
   :func:`jaxmp.loss_scaling` expects. The returned value is the *unscaled*
   loss (with aux when ``has_aux``).
+
+  The first call with given shapes (under ``jit``: once per compilation)
+  also traces ``fun`` on a copy of the model, running nothing, and warns with
+  a :class:`jaxmp.PrecisionWarning` when the model's 16-bit dtype does not
+  take effect (see :func:`jaxmp.precision_report`).
 
   Args:
     fun: the loss function; returns a scalar (and aux when ``has_aux``).
@@ -65,11 +71,21 @@ def nnx_scaled_value_and_grad(
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  return scale_then_differentiate(
+  grad_fn = scale_then_differentiate(
       nnx.value_and_grad, fun, loss_scale, argnums=argnums, has_aux=has_aux,
       caller="nnx_scaled_value_and_grad",
       state_hint="With an nnx.Optimizer, pass "
       "jaxmp.get_loss_scale(optimizer.opt_state).")
+
+  def on_a_copy(args, kwargs):  # the audit traces a copy: the model is untouched
+    graphdef, state = nnx.split((args, kwargs))
+    return lambda state: (lambda a, k: fun(*a, **k))(*nnx.merge(graphdef, state)), state
+
+  # At trace time, once per compilation: warn if the 16-bit dtype the model
+  # computes in does not take effect (docs/precision-audit.md).
+  return warn_on_first_trace(
+      grad_fn, fun, compute_dtype=None, caller="nnx_scaled_value_and_grad",
+      prepare=on_a_copy)
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from jaxmp._src.loss_scaling import (
   loss_scaling,
   loss_scaling_metrics,
 )
+from jaxmp._src.precision_audit import warn_on_first_trace
 from jaxmp._src.value_and_grad import scaled_value_and_grad
 
 
@@ -247,6 +248,12 @@ class TrainState(train_state.TrainState):
     *scaled* loss with respect to ``params``, in the params' own dtype, ready
     for :meth:`apply_gradients`.
 
+    The first call with given shapes (under ``jit``: once per compilation)
+    also traces the forward pass once more, as :func:`jaxmp.precision_report`
+    does (running nothing), and warns with a :class:`jaxmp.PrecisionWarning` when a 16-bit
+    policy does not take effect (a layer's own ``dtype=jnp.float32``, a
+    float32 batch captured by ``loss_fn``'s closure).
+
     Args:
       loss_fn: ``loss_fn(params, *args, **kwargs)`` returning a scalar loss,
         or ``(loss, aux)`` when ``has_aux``.
@@ -269,7 +276,12 @@ class TrainState(train_state.TrainState):
       args, kwargs = io_policy.cast_to_compute((args, kwargs))
       return io_policy.cast_to_output(loss_fn(params, *args, **kwargs))
 
-    return scaled_value_and_grad(run, self.loss_scale, has_aux=has_aux)
+    grad_fn = scaled_value_and_grad(run, self.loss_scale, has_aux=has_aux)
+    # At trace time, once per compilation: warn if the policy does not take
+    # effect (docs/precision-audit.md).
+    return warn_on_first_trace(
+        grad_fn, run, compute_dtype=io_policy.compute_dtype,
+        caller="TrainState.value_and_grad", names_from=loss_fn)
 
 
 def _keep_on_skip(finite: jax.Array, new: Any, old: Any, owner: str) -> Any:

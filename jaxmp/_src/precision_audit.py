@@ -1,0 +1,925 @@
+"""The precision audit: the dtypes the matmuls and convolutions of a function run in.
+
+:func:`precision_report` traces a function with :func:`jax.make_jaxpr` (it
+runs nothing) and lists each ``dot_general`` and ``conv_general_dilated`` of
+the trace, inner jaxprs included (``jit``, ``scan``, ``while``, ``cond``,
+``remat``, ``custom_jvp``/``custom_vjp``, ``shard_map`` ...), with its input
+and output dtypes, shapes, FLOPs, pass (forward or backward), module path and
+source line.
+
+The Flax helpers run the same audit once per trace, through
+:func:`warn_on_first_trace`, and warn with a :class:`PrecisionWarning` when a
+half-precision policy ends up computing most of its matmul FLOPs in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import os
+import sys
+import sysconfig
+import warnings
+from typing import Any, Callable, Iterable, NamedTuple
+
+import jax
+import jax.extend.core as jex_core
+from jax.extend import source_info_util
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmp._src.policy import parse_dtype
+
+DOT = "dot_general"
+CONV = "conv_general_dilated"
+DIRECTIONS = ("forward", "backward", "recompute")
+
+# The share of the forward matmul/conv FLOPs that must run in a half-precision
+# compute dtype; below it the Flax helpers warn (when they can name a cause).
+MIN_SHARE_IN_COMPUTE_DTYPE = 0.5
+
+# Primitives that only move or reshape their first operand: what an operand
+# is made of is what that operand is made of.
+_MOVES = frozenset({
+    "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims",
+    "slice", "dynamic_slice", "rev", "gather", "reduce_precision", "copy",
+    "copy_p", "sharding_constraint", "mesh_cast", "reshard", "pvary",
+})
+# Primitives whose outputs are their inputs, one for one.
+_PASS_THROUGH = frozenset({"optimization_barrier", "device_put"})
+# The name JAX gives the recomputed part of a ``jax.checkpoint`` backward pass.
+_REMAT_SCOPE = "rematted_computation"
+# Packages whose frames are not the user's source line.
+_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "chex", "jaxmp", "equinox",
+              "haiku", "orbax", "numpy")
+
+
+def _is_float(dtype: Any) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _is_narrow_float(dtype: Any) -> bool:
+  """float16, bfloat16 and the float8 types."""
+  return _is_float(dtype) and np.dtype(dtype).itemsize <= 2
+
+
+def _is_wide_float(dtype: Any) -> bool:
+  """float32 and float64."""
+  return _is_float(dtype) and np.dtype(dtype).itemsize >= 4
+
+
+class PrecisionWarning(UserWarning):
+  """A half-precision policy that does not take effect: the matmuls run in float32.
+
+  :meth:`jaxmp.flax.TrainState.value_and_grad` and
+  :func:`jaxmp.flax.nnx_scaled_value_and_grad` raise it at trace time (once
+  per compilation), with the cause and the fix. Filter or escalate it with the
+  :mod:`warnings` module.
+
+  Example:
+    >>> import warnings, jaxmp
+    >>> issubclass(jaxmp.PrecisionWarning, UserWarning)
+    True
+    >>> with warnings.catch_warnings():  # fail instead of warning, e.g. in CI
+    ...   warnings.simplefilter("error", jaxmp.PrecisionWarning)
+  """
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionOp:
+  """One matmul (``dot_general``) or convolution of a :class:`PrecisionReport`.
+
+  Attributes:
+    primitive: ``"dot_general"`` or ``"conv_general_dilated"``.
+    direction: ``"forward"``; ``"backward"`` for the ops of a gradient (JAX
+      marks them as transposed); ``"recompute"`` for the forward ops that a
+      ``jax.checkpoint`` recomputes in the backward pass.
+    lhs_dtype: the dtype of the left input (the activations of a layer).
+    rhs_dtype: the dtype of the right input (the kernel of a layer).
+    out_dtype: the dtype of the output.
+    lhs_shape: the shape of the left input.
+    rhs_shape: the shape of the right input.
+    out_shape: the shape of the output.
+    flops: the floating-point operations of the op per call of the function:
+      two per multiply-add, times ``repeats``.
+    repeats: how many times the op runs per call: the product of the lengths
+      of the ``scan`` loops around it (and of the devices of a
+      ``shard_map``/``pmap``, whose shapes are per device). The body of a
+      ``while`` loop counts once; every branch of a ``cond`` counts.
+    module: the module path from the trace's name stack, e.g.
+      ``"ResNet/Conv_0"`` for Linen; ``""`` where there is none (NNX and
+      plain JAX functions: see ``operands``).
+    operands: for each input, the path of the argument of the function it is
+      read from (through casts, reshapes and slices), e.g.
+      ``"params/Dense_0/kernel"``; ``""`` for a computed value.
+    source: the innermost line of the user's code that created the op,
+      ``"file.py:12 (function)"``, outside JAX, Flax and jaxmp.
+    cause: for an op with a float32 (or float64) input, why it is wide, when
+      the trace shows it: ``"closure"`` (an input is computed from a
+      floating array the function captures instead of receiving it as an
+      argument), ``"recast"`` (an input was cast to 16 bits and back up, as a
+      Flax layer's own ``dtype=jnp.float32`` does with params and inputs a
+      policy cast), ``"mixed"`` (one input is 16-bit, the other 32-bit: the
+      op runs in the wider one, and the other input never got the compute
+      dtype, as the parameter of a custom layer that has no ``dtype``);
+      ``""`` otherwise.
+    captured: for ``cause == "closure"``, the type of the captured array,
+      e.g. ``"float32[8,4]"``.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxmp
+    >>> op, = jaxmp.precision_report(jnp.dot, jnp.ones((4, 3)), jnp.ones((3, 2))).ops
+    >>> op.primitive, op.inputs, op.flops
+    ('dot_general', ('float32', 'float32'), 48)
+  """
+
+  primitive: str
+  direction: str
+  lhs_dtype: np.dtype
+  rhs_dtype: np.dtype
+  out_dtype: np.dtype
+  lhs_shape: tuple[int, ...]
+  rhs_shape: tuple[int, ...]
+  out_shape: tuple[int, ...]
+  flops: int
+  repeats: int
+  module: str
+  operands: tuple[str, str]
+  source: str
+  cause: str
+  captured: str
+
+  @property
+  def inputs(self) -> tuple[str, str]:
+    """The names of the two input dtypes, e.g. ``("float16", "float16")``."""
+    return (self.lhs_dtype.name, self.rhs_dtype.name)
+
+  def runs_in(self, dtype: Any) -> bool:
+    """Whether both inputs have the floating dtype ``dtype`` (a dtype or name)."""
+    dtype = parse_dtype(dtype)
+    return self.lhs_dtype == dtype and self.rhs_dtype == dtype
+
+  @property
+  def where(self) -> str:
+    """The module path, else the argument the op reads, else the source line."""
+    return self.module or _param_of(self.operands) or self.source
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionReport:
+  """The matmuls and convolutions of a traced function, with their dtypes.
+
+  Returned by :func:`jaxmp.precision_report`. ``str(report)`` is a table:
+  the share of the FLOPs in each pair of input dtypes, then one line per op.
+
+  Attributes:
+    ops: a tuple of :class:`jaxmp.PrecisionOp`, in trace order.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxmp
+    >>> def loss(w, x):
+    ...   return jnp.sum(x.astype(jnp.float16) @ w.astype(jnp.float16))
+    >>> w, x = jnp.ones((3, 2)), jnp.ones((4, 3))
+    >>> report = jaxmp.precision_report(jax.grad(loss), w, x)
+    >>> report.flops_by_dtype()
+    {('float16', 'float16'): 96}
+    >>> [op.direction for op in report.ops]
+    ['forward', 'backward']
+    >>> report.flops_share("f16"), report.ops_outside("f16")
+    (1.0, ())
+  """
+
+  ops: tuple[PrecisionOp, ...]
+
+  def _select(self, direction: str | None) -> tuple[PrecisionOp, ...]:
+    if direction is None:
+      return self.ops
+    if direction not in DIRECTIONS:
+      raise ValueError(
+          f"PrecisionReport: direction must be None or one of "
+          f"{', '.join(map(repr, DIRECTIONS))}; got {direction!r}."
+      )
+    return tuple(op for op in self.ops if op.direction == direction)
+
+  def flops(self, direction: str | None = None) -> int:
+    """The FLOPs of all ops (of one ``direction`` if given) per call.
+
+    Args:
+      direction: ``None`` for all ops, or ``"forward"``, ``"backward"``,
+        ``"recompute"``.
+
+    Raises:
+      ValueError: for another ``direction``.
+    """
+    return sum(op.flops for op in self._select(direction))
+
+  def flops_by_dtype(self, direction: str | None = None) -> dict[tuple[str, str], int]:
+    """The FLOPs per pair of input dtypes, largest first.
+
+    Args:
+      direction: ``None`` for all ops, or ``"forward"``, ``"backward"``,
+        ``"recompute"``.
+
+    Returns:
+      ``{(lhs dtype name, rhs dtype name): flops}``, e.g.
+      ``{("float16", "float16"): 96}``.
+
+    Raises:
+      ValueError: for another ``direction``.
+    """
+    totals: dict[tuple[str, str], int] = {}
+    for op in self._select(direction):
+      totals[op.inputs] = totals.get(op.inputs, 0) + op.flops
+    return dict(sorted(totals.items(), key=lambda item: (-item[1], item[0])))
+
+  def flops_share(self, dtype: Any, direction: str | None = None) -> float:
+    """The fraction of the FLOPs whose two inputs are in ``dtype``.
+
+    Args:
+      dtype: a floating dtype or a name such as ``"float16"`` or ``"bf16"``.
+      direction: ``None`` for all ops, or ``"forward"``, ``"backward"``,
+        ``"recompute"``.
+
+    Returns:
+      A number between 0 and 1.
+
+    Raises:
+      ValueError: if the selected ops have no FLOPs (the function has no
+        matmul or convolution), or for an unknown dtype or direction.
+    """
+    ops = self._select(direction)
+    total = sum(op.flops for op in ops)
+    if total == 0:
+      raise ValueError(
+          "PrecisionReport.flops_share: the function has no matmul or "
+          "convolution" + (f" in the {direction} pass" if direction else "")
+          + ", so there is no share to compute. Check report.ops first."
+      )
+    return sum(op.flops for op in ops if op.runs_in(dtype)) / total
+
+  def ops_outside(
+      self, dtype: Any, direction: str | None = None
+  ) -> tuple[PrecisionOp, ...]:
+    """The ops whose inputs are not both in ``dtype``.
+
+    Args:
+      dtype: a floating dtype or a name such as ``"float16"`` or ``"bf16"``.
+      direction: ``None`` for all ops, or ``"forward"``, ``"backward"``,
+        ``"recompute"``.
+
+    Raises:
+      ValueError: for an unknown dtype or direction.
+    """
+    parse_dtype(dtype)
+    return tuple(op for op in self._select(direction) if not op.runs_in(dtype))
+
+  def __str__(self) -> str:
+    total = self.flops()
+    passes = ", ".join(
+        f"{d} {_count(self.flops(d))}" for d in DIRECTIONS if self._select(d))
+    lines = [
+        f"jaxmp precision report: {len(self.ops)} matmul/conv ops, "
+        f"{_count(total)} FLOPs per call" + (f" ({passes})" if passes else "")
+    ]
+    if not self.ops:
+      return lines[0] + "; nothing to report."
+    lines.append("FLOPs by input dtypes:")
+    for (lhs, rhs), flops in self.flops_by_dtype().items():
+      share = 100.0 * flops / total if total else 0.0
+      lines.append(f"  {lhs} x {rhs:<10} {share:6.1f}%  {_count(flops)}")
+    rows = [("pass", "op", "inputs", "output", "shapes", "FLOPs", "where",
+             "cause", "source")]
+    for op in self.ops:
+      shapes = (f"{_shape(op.lhs_shape)} x {_shape(op.rhs_shape)} -> "
+                f"{_shape(op.out_shape)}")
+      if op.repeats > 1:
+        shapes += f" (x{op.repeats})"
+      rows.append((
+          op.direction, "dot" if op.primitive == DOT else "conv",
+          " x ".join(op.inputs), op.out_dtype.name, shapes, _count(op.flops),
+          op.module or _param_of(op.operands) or "-", op.cause or "-",
+          op.source or "-",
+      ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines.append("Ops:")
+    for row in rows:
+      cells = [cell.rjust(w) if i == 5 else cell.ljust(w)
+               for i, (cell, w) in enumerate(zip(row, widths))]
+      lines.append("  " + "  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+  return f"{n:,}"
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+  return "[" + ",".join(map(str, shape)) + "]"
+
+
+def _param_of(operands: tuple[str, str]) -> str:
+  """The argument path an op reads its weights from: the right input first."""
+  return operands[1] or operands[0]
+
+
+# ---------------------------------------------------------------------------
+# Tracing.
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct))
+
+
+def _argument_names(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[str]:
+  """A name per positional argument, from ``fn``'s signature when it binds."""
+  names = [f"args[{i}]" for i in range(len(args))]
+  try:
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+  except (TypeError, ValueError):
+    return names
+  position = 0
+  for name, value in bound.arguments.items():
+    kind = bound.signature.parameters[name].kind
+    if kind is inspect.Parameter.VAR_POSITIONAL:
+      for i in range(len(value)):
+        names[position + i] = f"{name}[{i}]"
+      position += len(value)
+    elif kind in (inspect.Parameter.POSITIONAL_ONLY,
+                  inspect.Parameter.POSITIONAL_OR_KEYWORD) and position < len(args):
+      names[position] = name
+      position += 1
+  return names
+
+
+def _key_value(key: Any) -> Any:
+  for attribute in ("idx", "key", "name"):
+    if hasattr(key, attribute):
+      return getattr(key, attribute)
+  return key
+
+
+def _leaf_paths(tree: Any, names: list[str]) -> list[tuple[str, Any]]:
+  """``(path, leaf)`` for each leaf of ``tree``, paths such as ``params/w``.
+
+  ``tree`` is ``(args, kwargs)``, or a pytree with the same first two levels
+  (``0``: the positional arguments by position, ``1``: the keyword arguments
+  by name), as NNX's ``nnx.split((args, kwargs))`` gives.
+  """
+  out = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    head = ""
+    if len(path) >= 2:
+      group, which = _key_value(path[0]), _key_value(path[1])
+      head = names[which] if group == 0 and which < len(names) else str(which)
+    tail = jax.tree_util.keystr(tuple(path[2:]), simple=True, separator="/")
+    out.append(("/".join(p for p in (head, tail) if p), leaf))
+  return out
+
+
+def _trace(
+    call: Callable[[Any], Any], tree: Any, names: list[str]
+) -> tuple[jex_core.ClosedJaxpr, list[str]]:
+  """The jaxpr of ``call(tree)`` and the argument path of each of its inputs.
+
+  The array leaves of ``tree`` (concrete, abstract or tracers) become inputs
+  of the jaxpr; its other leaves (Python numbers, strings, flags) stay
+  static, as they would be under ``jax.jit`` with ``static_argnames``.
+  Nothing runs.
+  """
+  leaves = _leaf_paths(tree, names)
+  treedef = jax.tree_util.tree_structure(tree)
+  dynamic = [i for i, (_, leaf) in enumerate(leaves) if _is_array(leaf)]
+
+  def flat_fn(*arrays):
+    values = [leaf for _, leaf in leaves]
+    for i, array in zip(dynamic, arrays):
+      values[i] = array
+    return call(jax.tree_util.tree_unflatten(treedef, values))
+
+  closed = jax.make_jaxpr(flat_fn)(*(leaves[i][1] for i in dynamic))
+  return closed, [leaves[i][0] for i in dynamic]
+
+
+def _call_with(fn: Callable[..., Any]) -> Callable[[Any], Any]:
+  """``fn`` as a function of the pair ``(args, kwargs)``."""
+  return lambda tree: fn(*tree[0], **tree[1])
+
+
+# ---------------------------------------------------------------------------
+# Walking the jaxpr.
+
+
+class _Facts(NamedTuple):
+  """What the audit knows of a value: where its bits come from."""
+
+  # A 16-bit argument or captured array, or an argument cast to 16 bits (as a
+  # policy casts params and inputs); not a 16-bit result computed in float32
+  # and cast down, as LayerNorm's.
+  narrow_origin: bool = False
+  recast: str = ""  # a wide cast of a narrow_origin value: the narrow dtype
+  captured: str = ""  # derived from a captured array: its type, e.g. float32[8]
+  path: str = ""  # the argument it is read from (through moves and casts)
+
+
+_NOTHING = _Facts()
+
+
+def _merge(facts: list[_Facts], out_dtype: Any) -> _Facts:
+  """The facts of a computed value: only the constants it derives from."""
+  if _is_narrow_float(out_dtype):
+    return _NOTHING
+  return _Facts(captured=next((f.captured for f in facts if f.captured), ""))
+
+
+def _join(alternatives: list[_Facts]) -> _Facts:
+  """The facts of a value that is one of several (the branches of a cond)."""
+  paths = {f.path for f in alternatives}
+  recasts = {f.recast for f in alternatives}
+  return _Facts(
+      narrow_origin=all(f.narrow_origin for f in alternatives),
+      recast=recasts.pop() if len(recasts) == 1 else "",
+      captured=next((f.captured for f in alternatives if f.captured), ""),
+      path=paths.pop() if len(paths) == 1 else "",
+  )
+
+
+def _aval_str(aval: Any) -> str:
+  return f"{aval.dtype}[{','.join(map(str, aval.shape))}]"
+
+
+def _constant_facts(var: Any) -> _Facts:
+  dtype = var.aval.dtype
+  return _Facts(narrow_origin=_is_narrow_float(dtype), captured=_aval_str(var.aval))
+
+
+def _library_prefixes() -> tuple[str, ...]:
+  prefixes = []
+  for name in _LIBRARIES:
+    module = sys.modules.get(name)
+    file = getattr(module, "__file__", None)
+    if file:
+      prefixes.append(os.path.dirname(os.path.abspath(file)) + os.sep)
+  return tuple(prefixes)
+
+
+def _stdlib_prefixes() -> tuple[tuple[str, ...], tuple[str, ...]]:
+  paths = sysconfig.get_paths()
+  stdlib = {os.path.abspath(paths[k]) + os.sep for k in ("stdlib", "platstdlib")}
+  site = {os.path.abspath(paths[k]) + os.sep for k in ("purelib", "platlib")}
+  return tuple(stdlib), tuple(site)
+
+
+def _user_source(source_info: Any, libraries: tuple[str, ...],
+                 stdlib: tuple[tuple[str, ...], tuple[str, ...]]) -> str:
+  traceback = getattr(source_info, "traceback", None)
+  frames = getattr(traceback, "frames", None) or ()
+  for frame in frames:
+    file = frame.file_name
+    if file.startswith("<frozen"):
+      continue
+    path = os.path.abspath(file) if not file.startswith("<") else file
+    if path.startswith(libraries):
+      continue
+    if path.startswith(stdlib[0]) and not path.startswith(stdlib[1]):
+      continue
+    return f"{os.path.basename(file)}:{frame.line_num} ({frame.function_name})"
+  return ""
+
+
+def _dot_flops(eqn: Any) -> int:
+  (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+  lhs_shape = eqn.invars[0].aval.shape
+  out_shape = eqn.outvars[0].aval.shape
+  return 2 * math.prod(out_shape) * math.prod(lhs_shape[d] for d in lhs_contract)
+
+
+def _conv_flops(eqn: Any) -> int:
+  # rhs_spec is (out feature dim, in feature dim, *spatial dims) of the kernel;
+  # each output element sums over the kernel's in-features and window.
+  rhs_spec = eqn.params["dimension_numbers"].rhs_spec
+  rhs_shape = eqn.invars[1].aval.shape
+  out_shape = eqn.outvars[0].aval.shape
+  window = math.prod(rhs_shape[d] for d in rhs_spec[2:])
+  return 2 * math.prod(out_shape) * rhs_shape[rhs_spec[1]] * window
+
+
+def _repeats(eqn: Any) -> int:
+  """How many times an eqn's inner jaxpr runs per run of the eqn."""
+  name = eqn.primitive.name
+  if name == "scan":
+    return int(eqn.params["length"])
+  if name == "shard_map":
+    mesh = eqn.params["mesh"]
+    axes = eqn.params.get("manual_axes") or eqn.params.get("newly_manual_axes") or ()
+    return math.prod(dict(mesh.shape)[a] for a in axes)
+  if name == "xla_pmap":
+    return int(eqn.params["axis_size"])
+  return 1
+
+
+def _name_parts(name_stack: Any) -> tuple[list[str], list[str]]:
+  """The scopes (module names) and transforms (jvp, transpose) of a name stack."""
+  scopes, transforms = [], []
+  for item in getattr(name_stack, "stack", ()):
+    if type(item).__name__ == "Transform":
+      transforms.append(item.name)
+    else:
+      scopes.append(item.name)
+  return scopes, transforms
+
+
+class _Walker:
+  """Walks a jaxpr and its inner jaxprs, recording each matmul and convolution."""
+
+  def __init__(self):
+    self.facts: dict[Any, _Facts] = {}
+    self.ops: list[PrecisionOp] = []
+    self.recast_from: set[str] = set()
+    self.libraries = _library_prefixes()
+    self.stdlib = _stdlib_prefixes()
+
+  def facts_of(self, atom: Any) -> _Facts:
+    if isinstance(atom, jex_core.Literal):
+      return _NOTHING
+    return self.facts.get(atom, _NOTHING)
+
+  def walk(self, jaxpr: Any, name_stack: Any, repeats: int) -> None:
+    for eqn in jaxpr.eqns:
+      stack = name_stack + eqn.source_info.name_stack
+      ins = [self.facts_of(v) for v in eqn.invars]
+      name = eqn.primitive.name
+      if name in (DOT, CONV):
+        self.record(eqn, ins, stack, repeats)
+      subs = list(jex_core.jaxprs_in_params(eqn.params))
+      if subs:
+        outs = self.walk_inner(eqn, subs, ins, stack, repeats)
+      elif name == "convert_element_type":
+        outs = [self.convert(ins[0], eqn.invars[0].aval.dtype,
+                             eqn.outvars[0].aval.dtype)]
+      elif name in _MOVES and eqn.invars:
+        outs = [ins[0]] * len(eqn.outvars)
+      elif name in _PASS_THROUGH and len(eqn.invars) == len(eqn.outvars):
+        outs = ins
+      else:
+        outs = [_merge(ins, v.aval.dtype) for v in eqn.outvars]
+      for var, facts in zip(eqn.outvars, outs):
+        self.facts[var] = facts
+
+  def convert(self, facts: _Facts, source: Any, target: Any) -> _Facts:
+    if _is_narrow_float(target):
+      return _Facts(narrow_origin=bool(facts.path or facts.narrow_origin),
+                    path=facts.path)
+    if _is_wide_float(target) and _is_narrow_float(source):
+      recast = np.dtype(source).name if facts.narrow_origin else ""
+      return _Facts(recast=recast, path=facts.path)
+    if _is_wide_float(target) and _is_wide_float(source):
+      return facts
+    return _merge([facts], target)
+
+  def walk_inner(self, eqn, subs, ins, stack, repeats) -> list[_Facts]:
+    inner_repeats = repeats * _repeats(eqn)
+    results = []
+    for sub in subs:
+      for var in sub.constvars:
+        self.facts[var] = _constant_facts(var)
+      # Inner inputs are the eqn's last inputs, one for one (a cond's first
+      # input is the branch index; a while body's inputs follow the cond's).
+      offset = len(eqn.invars) - len(sub.invars)
+      for i, var in enumerate(sub.invars):
+        outer = eqn.invars[offset + i] if offset >= 0 else None
+        same = outer is not None and outer.aval.dtype == var.aval.dtype
+        self.facts[var] = ins[offset + i] if same else _NOTHING
+      self.walk(sub, stack, inner_repeats)
+      if len(sub.outvars) == len(eqn.outvars):
+        results.append([self.facts_of(v) for v in sub.outvars])
+    if results:
+      return [_join(list(column)) for column in zip(*results)]
+    return [_merge(ins, v.aval.dtype) for v in eqn.outvars]
+
+  def record(self, eqn, ins, stack, repeats) -> None:
+    lhs, rhs = eqn.invars[:2]
+    out = eqn.outvars[0]
+    scopes, transforms = _name_parts(stack)
+    if "transpose" in transforms:
+      direction = "recompute" if _REMAT_SCOPE in scopes else "backward"
+    else:
+      direction = "forward"
+    module = "/".join(s for s in scopes if s != _REMAT_SCOPE)
+    flops = _dot_flops(eqn) if eqn.primitive.name == DOT else _conv_flops(eqn)
+    operands = ins[:2]
+    dtypes = (lhs.aval.dtype, rhs.aval.dtype)
+    wide = [f for f, dtype in zip(operands, dtypes) if _is_wide_float(dtype)]
+    cause, captured = "", ""
+    if wide:
+      self.recast_from.update(f.recast for f in wide if f.recast)
+      captured = next((f.captured for f in wide if f.captured), "")
+      if captured:
+        cause = "closure"
+      elif any(f.recast for f in wide):
+        cause = "recast"
+      elif any(_is_narrow_float(dtype) for dtype in dtypes):
+        cause = "mixed"
+    self.ops.append(PrecisionOp(
+        primitive=eqn.primitive.name,
+        direction=direction,
+        lhs_dtype=np.dtype(lhs.aval.dtype),
+        rhs_dtype=np.dtype(rhs.aval.dtype),
+        out_dtype=np.dtype(out.aval.dtype),
+        lhs_shape=tuple(lhs.aval.shape),
+        rhs_shape=tuple(rhs.aval.shape),
+        out_shape=tuple(out.aval.shape),
+        flops=flops * repeats,
+        repeats=repeats,
+        module=module,
+        operands=(operands[0].path, operands[1].path),
+        source=_user_source(eqn.source_info, self.libraries, self.stdlib),
+        cause=cause,
+        captured=captured,
+    ))
+
+
+def _audit(
+    call: Callable[[Any], Any], tree: Any, names: list[str]
+) -> tuple[PrecisionReport, set[str]]:
+  closed, paths = _trace(call, tree, names)
+  walker = _Walker()
+  jaxpr = closed.jaxpr
+  for var in jaxpr.constvars:
+    walker.facts[var] = _constant_facts(var)
+  for var, path in zip(jaxpr.invars, paths):
+    walker.facts[var] = _Facts(
+        narrow_origin=_is_narrow_float(var.aval.dtype), path=path)
+  walker.walk(jaxpr, source_info_util.new_name_stack(), 1)
+  return PrecisionReport(tuple(walker.ops)), walker.recast_from
+
+
+def precision_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> PrecisionReport:
+  """Traces ``fn(*args, **kwargs)`` and reports the dtypes of its matmuls and convs.
+
+  Nothing runs: ``fn`` is traced with :func:`jax.make_jaxpr`, on the shapes
+  and dtypes of the array arguments (which may be :class:`jax.ShapeDtypeStruct`).
+  Other arguments (Python numbers, flags, strings) are passed as they are, as
+  static arguments. Every ``dot_general`` and ``conv_general_dilated`` of the
+  trace is reported, those inside ``jit``, ``scan``, ``while``, ``cond``,
+  ``remat``, ``custom_jvp``/``custom_vjp`` and ``shard_map`` included; if
+  ``fn`` computes gradients, the ops of the backward pass are reported too,
+  with ``direction="backward"``.
+
+  Read the dtypes of a training step here rather than those of the params:
+  a Flax layer built with its own ``dtype=jnp.float32`` computes in float32
+  even when the params were cast to float16, and so does a model fed a
+  float32 array that the loss function captures by closure.
+
+  Args:
+    fn: the function, e.g. a loss function, ``jax.grad(loss_fn)`` or a whole
+      (jitted) training step.
+    *args: its positional arguments (arrays, pytrees, or abstract
+      :class:`jax.ShapeDtypeStruct` values).
+    **kwargs: its keyword arguments.
+
+  Returns:
+    A :class:`jaxmp.PrecisionReport`.
+
+  Raises:
+    TypeError: if ``fn`` is not callable.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxmp
+    >>> def loss(params, x):
+    ...   params, x = jaxmp.get_policy("mixed_float16").cast_to_compute((params, x))
+    ...   return jnp.sum(x @ params["w"])
+    >>> params, x = {"w": jnp.ones((3, 2))}, jnp.ones((4, 3))
+    >>> report = jaxmp.precision_report(loss, params, x)
+    >>> op, = report.ops
+    >>> op.inputs, op.out_dtype, op.flops, op.operands
+    (('float16', 'float16'), dtype('float16'), 48, ('x', 'params/w'))
+    >>> report.flops_share("float16")
+    1.0
+  """
+  if not callable(fn):
+    raise TypeError(
+        f"precision_report expects a function as its first argument, got "
+        f"{type(fn).__name__}. Pass the function, then its arguments: "
+        "jaxmp.precision_report(loss_fn, params, batch)."
+    )
+  names = _argument_names(fn, args, kwargs)
+  return _audit(_call_with(fn), (args, kwargs), names)[0]
+
+
+# ---------------------------------------------------------------------------
+# The trace-time check of the Flax helpers.
+
+# What each helper tells the user to do, per cause.
+_ADVICE = {
+    "TrainState.value_and_grad": {
+        "subject": "the policy computes in {dtype}",
+        "report": "jaxmp.precision_report(loss_fn, state.params, *batch)",
+        "recast": (
+            "Fix: let the policy override the layers' own dtype, with "
+            "jaxmp.flax.ModulePolicy(..., override_dtype=True), or build the "
+            "model with dtype=None (the default of Flax layers: they then "
+            "compute in the dtype the policy gives them) or dtype=jnp.{dtype}."
+        ),
+        "closure": (
+            "value_and_grad casts only the arguments of the function it "
+            "returns. Fix: pass the batch as an argument, "
+            "grad_fn(state.params, batch) with loss_fn(params, batch), or call "
+            "the model through state.apply_fn, which casts its inputs."
+        ),
+        "mixed": (
+            "Fix: give that input the compute dtype too, or, if a rule of "
+            "the policy keeps it in float32 on purpose, ignore this."
+        ),
+    },
+    "nnx_scaled_value_and_grad": {
+        "subject": "the model computes in {dtype} (the 16-bit dtype its trace shows)",
+        "report": "jaxmp.precision_report(loss_fn, model)",
+        "recast": (
+            "Fix: give the layers the compute dtype, e.g. with "
+            "jaxmp.flax.ModulePolicy(..., default='{policy}').set_nnx_dtypes(model), "
+            "or build them with dtype=jnp.{dtype}."
+        ),
+        "closure": (
+            "NNX layers cast their inputs only when their dtype is set. Fix: "
+            "set the layers' dtype (jaxmp.flax.ModulePolicy(..., "
+            "default='{policy}').set_nnx_dtypes(model)), or cast the array "
+            "with policy.cast_to_compute before the model sees it."
+        ),
+        "mixed": (
+            "A layer without a dtype attribute (a custom module?) keeps its "
+            "float32 params. Fix: cast them to the dtype of the input in its "
+            "__call__, or give it a dtype attribute that "
+            "ModulePolicy.set_nnx_dtypes can set."
+        ),
+    },
+}
+
+_CAUSE_TEXT = {
+    "recast": (
+        "cast back to {wide} inside {where}: they receive {dtype} params or "
+        "inputs and cast them up again, as a Flax layer built with its own "
+        "dtype=jnp.float32 does."
+    ),
+    "closure": (
+        "fed by a {wide} array that the loss function captures by closure "
+        "({captured}), in {where}."
+    ),
+    "mixed": (
+        "computed from a {dtype} and a {wide} input, in {where}: the {wide} "
+        "input, never cast to {dtype}, makes them run in {wide}."
+    ),
+}
+
+
+def _names(ops: Iterable[PrecisionOp], limit: int = 6) -> str:
+  names = list(dict.fromkeys(op.where for op in ops))
+  shown = ", ".join(names[:limit])
+  if len(names) > limit:
+    shown += f" and {len(names) - limit} more"
+  return shown
+
+
+def _warning_text(
+    report: PrecisionReport, compute_dtype: Any, caller: str
+) -> str | None:
+  """The text of the :class:`PrecisionWarning` for ``report``, or ``None``.
+
+  ``None`` unless ``compute_dtype`` is float16 or bfloat16, fewer than
+  :data:`MIN_SHARE_IN_COMPUTE_DTYPE` of the floating matmul/conv FLOPs have
+  both inputs in it, and some of the others have a cause the trace shows.
+  """
+  dtype = np.dtype(compute_dtype)
+  if dtype not in (np.dtype(jnp.float16), np.dtype(jnp.bfloat16)):
+    return None
+  ops = [op for op in report.ops
+         if _is_float(op.lhs_dtype) and _is_float(op.rhs_dtype)]
+  total = sum(op.flops for op in ops)
+  inside = sum(op.flops for op in ops if op.runs_in(dtype))
+  if total == 0 or inside >= MIN_SHARE_IN_COMPUTE_DTYPE * total:
+    return None
+  outside = [op for op in ops if not op.runs_in(dtype)]
+  if not any(op.cause for op in outside):
+    return None
+  by_pair: dict[str, int] = {}
+  for op in outside:
+    key = " x ".join(op.inputs) if op.lhs_dtype != op.rhs_dtype else op.lhs_dtype.name
+    by_pair[key] = by_pair.get(key, 0) + op.flops
+  elsewhere = ", ".join(
+      f"{100 * flops / total:.0f}% in {key}"
+      for key, flops in sorted(by_pair.items(), key=lambda item: -item[1]))
+  short = {"float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}[dtype.name]
+  advice = _ADVICE[caller]
+  lines = [
+      f"{caller}: {advice['subject'].format(dtype=dtype.name)}, but only "
+      f"{100 * inside / total:.0f}% of the matmul and convolution FLOPs of the "
+      f"loss function run in {dtype.name} ({elsewhere}). {dtype.name} does "
+      "not take effect here:"
+  ]
+  for cause in ("closure", "recast", "mixed"):
+    hit = [op for op in outside if op.cause == cause]
+    if not hit:
+      continue
+    wide = hit[0].lhs_dtype.name if _is_wide_float(hit[0].lhs_dtype) else hit[0].rhs_dtype.name
+    captured = ", ".join(dict.fromkeys(op.captured for op in hit if op.captured))
+    text = _CAUSE_TEXT[cause].format(
+        wide=wide, dtype=dtype.name, where=_names(hit), captured=captured)
+    fix = advice[cause].format(dtype=dtype.name, policy=short)
+    lines.append(f"  - {100 * sum(op.flops for op in hit) / total:.0f}% of the "
+                 f"FLOPs: {text} {fix}")
+  other = [op for op in outside if not op.cause]
+  if other:
+    lines.append(
+        f"  - {100 * sum(op.flops for op in other) / total:.0f}% of the FLOPs "
+        f"run outside {dtype.name} for no reason the trace shows (in "
+        f"{_names(other)}); if a rule keeps them in float32 on purpose, that "
+        "is expected.")
+  lines.append(
+      f"{advice['report']} lists every op with its dtypes. To silence this "
+      "warning: warnings.filterwarnings('ignore', "
+      "category=jaxmp.PrecisionWarning).")
+  return "\n".join(lines)
+
+
+def _signature(args: tuple, kwargs: dict) -> Any:
+  """What a new trace of a function depends on: structure, shapes, statics."""
+  leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+  key = []
+  for leaf in leaves:
+    if _is_array(leaf):
+      key.append((tuple(leaf.shape), str(leaf.dtype),
+                  bool(getattr(leaf, "weak_type", False))))
+    else:
+      try:
+        hash(leaf)
+        key.append(leaf)
+      except TypeError:
+        key.append(id(leaf))
+  return treedef, tuple(key)
+
+
+def warn_on_first_trace(
+    grad_fn: Callable[..., Any],
+    audited_fn: Callable[..., Any],
+    *,
+    compute_dtype: Any,
+    caller: str,
+    names_from: Callable[..., Any] | None = None,
+    prepare: Callable[[tuple, dict], tuple[Callable[[Any], Any], Any]] | None = None,
+) -> Callable[..., Any]:
+  """Returns ``grad_fn`` that, once per new argument signature, audits ``audited_fn``.
+
+  On the first call with given shapes, dtypes and static values (under
+  ``jit``: once per compilation), after calling ``grad_fn``, it traces
+  ``audited_fn`` (the forward loss, not its gradient) on the same arguments
+  with :func:`jax.make_jaxpr` and warns with a :class:`PrecisionWarning`
+  when a half-precision compute dtype does not take effect. It runs nothing
+  on the device and transfers nothing.
+
+  Args:
+    grad_fn: the function to return, wrapped.
+    audited_fn: the function whose matmuls are audited, called with the same
+      arguments as ``grad_fn``.
+    compute_dtype: the policy's compute dtype; ``None`` to use the 16-bit
+      dtype the trace itself shows (the NNX helper, which has no policy).
+    caller: the helper's name, ``"TrainState.value_and_grad"`` or
+      ``"nnx_scaled_value_and_grad"``: it opens the warning and selects the
+      advice.
+    names_from: the function whose signature names the arguments (default
+      ``audited_fn``).
+    prepare: turns ``(args, kwargs)`` into ``(call, tree)`` to trace
+      ``call(tree)`` instead, where ``tree`` has the first two levels of
+      ``(args, kwargs)`` (NNX splits its modules, so that tracing leaves them
+      untouched).
+  """
+  seen: set[Any] = set()
+
+  @functools.wraps(grad_fn)
+  def checked(*args, **kwargs):
+    out = grad_fn(*args, **kwargs)
+    key = _signature(args, kwargs)
+    if key not in seen:
+      seen.add(key)
+      call, tree = (prepare(args, kwargs) if prepare
+                    else (_call_with(audited_fn), (args, kwargs)))
+      names = _argument_names(names_from or audited_fn, args, kwargs)
+      report, recast_from = _audit(call, tree, names)
+      dtype = compute_dtype if compute_dtype is not None else _seen_half(
+          report, recast_from)
+      text = None if dtype is None else _warning_text(report, dtype, caller)
+      if text is not None:
+        warnings.warn(text, PrecisionWarning, stacklevel=2)
+    return out
+
+  return checked
+
+
+def _seen_half(report: PrecisionReport, recast_from: set[str]) -> np.dtype | None:
+  """The 16-bit float dtype a trace computes in or casts to, if exactly one."""
+  seen = set(recast_from)
+  for op in report.ops:
+    seen.update(d.name for d in (op.lhs_dtype, op.rhs_dtype) if d.name in (
+        "float16", "bfloat16"))
+  seen &= {"float16", "bfloat16"}
+  return np.dtype(seen.pop()) if len(seen) == 1 else None

@@ -1,0 +1,496 @@
+"""Tests of the precision audit: jaxmp.precision_report and the PrecisionWarning.
+
+The report is checked on small hand-built functions with exact FLOP counts;
+the warning on Linen models under jaxmp.flax.TrainState and on NNX models,
+with the dtypes read from the jaxpr itself (not from the params).
+"""
+
+import warnings
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+
+import jaxmp
+import jaxmp.flax
+
+F16 = np.dtype(jnp.float16)
+BF16 = np.dtype(jnp.bfloat16)
+F32 = np.dtype(jnp.float32)
+HERE = "test_precision_audit.py"
+
+
+def line_of(fn, offset=1):
+  """The source of a line of ``fn``, as the report writes it."""
+  return f"{HERE}:{fn.__code__.co_firstlineno + offset} ({fn.__qualname__})"
+
+
+def jaxpr_dot_dtypes(fn, *args):
+  """The input dtypes of every dot_general of ``fn``'s jaxpr, read directly."""
+  found = set()
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        found.add(tuple(np.dtype(v.aval.dtype).name for v in eqn.invars))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+# ---------------------------------------------------------------------------
+# The report on hand-built functions.
+
+
+def test_a_dot_with_its_dtypes_shapes_flops_operands_and_source():
+  def loss(params, x):
+    return jnp.sum(x.astype(jnp.float16) @ params["w"].astype(jnp.float16))
+
+  params, x = {"w": jnp.ones((3, 5))}, jnp.ones((4, 3))
+  report = jaxmp.precision_report(loss, params, x)
+  op, = report.ops
+  assert op == jaxmp.PrecisionOp(
+      primitive="dot_general", direction="forward", lhs_dtype=F16,
+      rhs_dtype=F16, out_dtype=F16, lhs_shape=(4, 3), rhs_shape=(3, 5),
+      out_shape=(4, 5), flops=2 * 4 * 5 * 3, repeats=1, module="",
+      operands=("x", "params/w"), source=line_of(loss), cause="", captured="")
+  assert op.inputs == ("float16", "float16") and op.runs_in("f16")
+  assert op.where == "params/w"
+  assert report.flops_by_dtype() == {("float16", "float16"): 120}
+  assert report.flops_share(jnp.float16) == 1.0
+  assert report.ops_outside("float16") == ()
+  assert report.ops_outside("float32") == (op,)
+
+
+def test_an_einsum_with_batch_dimensions():
+  report = jaxmp.precision_report(
+      lambda a, b: jnp.einsum("bij,bjk->bik", a, b),
+      jnp.ones((2, 3, 4), jnp.bfloat16), jax.ShapeDtypeStruct((2, 4, 5), jnp.bfloat16))
+  op, = report.ops
+  assert op.flops == 2 * 2 * 3 * 5 * 4  # 2 * batch * M * N * K
+  assert (op.lhs_shape, op.rhs_shape, op.out_shape) == ((2, 3, 4), (2, 4, 5), (2, 3, 5))
+  assert report.flops_by_dtype() == {("bfloat16", "bfloat16"): 240}
+
+
+def test_convolutions_plain_strided_and_grouped():
+  def convs(x, k, grouped):
+    y = jax.lax.conv_general_dilated(
+        x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    z = jax.lax.conv_general_dilated(
+        x, k, (2, 2), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    g = jax.lax.conv_general_dilated(
+        y, grouped, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        feature_group_count=2)
+    return y, z, g
+
+  x, k = jnp.ones((2, 8, 8, 3)), jnp.ones((3, 3, 3, 4))
+  grouped = jnp.ones((3, 3, 2, 6))  # 4 input features in 2 groups of 2
+  same, valid, group = jaxmp.precision_report(convs, x, k, grouped).ops
+  assert {op.primitive for op in (same, valid, group)} == {"conv_general_dilated"}
+  assert same.out_shape == (2, 8, 8, 4) and same.flops == 2 * (2 * 8 * 8 * 4) * 3 * 9
+  assert valid.out_shape == (2, 3, 3, 4) and valid.flops == 2 * (2 * 3 * 3 * 4) * 3 * 9
+  assert group.out_shape == (2, 8, 8, 6) and group.flops == 2 * (2 * 8 * 8 * 6) * 2 * 9
+  assert group.operands == ("", "grouped")
+
+
+def test_a_scan_over_layers_counts_every_iteration():
+  def stack(weights, x):
+    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, weights)[0]
+
+  op, = jaxmp.precision_report(stack, jnp.ones((3, 4, 4)), jnp.ones((2, 4))).ops
+  assert op.repeats == 3 and op.flops == 3 * (2 * 2 * 4 * 4)
+  assert op.rhs_shape == (4, 4) and op.operands == ("x", "weights")
+  assert "(x3)" in str(jaxmp.precision_report(stack, jnp.ones((3, 4, 4)), jnp.ones((2, 4))))
+
+
+def test_gradients_remat_and_a_custom_vjp_label_their_passes():
+  def block(w, x):
+    return jnp.tanh(jnp.tanh(x @ w) @ w)
+
+  w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+  report = jaxmp.precision_report(
+      jax.grad(lambda w, x: jnp.sum(jax.checkpoint(block)(w, x))), w, x)
+  assert [op.direction for op in report.ops] == (
+      ["forward"] * 2 + ["recompute"] * 2 + ["backward"] * 3)
+  assert {op.flops for op in report.ops} == {2 * 2 * 4 * 4}
+  assert report.flops("recompute") == 128 and report.flops("backward") == 192
+  assert report.flops() == 448
+  assert report.flops_share("float32", direction="backward") == 1.0
+
+  @jax.custom_vjp
+  def product(a, b):
+    return a @ b
+
+  def forward(a, b):
+    return a @ b, (a, b)
+
+  def backward(residuals, g):
+    a, b = residuals
+    return g @ b.T, a.T @ g
+
+  product.defvjp(forward, backward)
+  report = jaxmp.precision_report(jax.grad(lambda w, x: jnp.sum(product(x, w))), w, x)
+  assert [op.direction for op in report.ops] == ["forward", "backward", "backward"]
+  assert report.ops[0].source == line_of(forward)
+  assert [op.operands for op in report.ops[1:]] == [("", "w"), ("x", "")]
+  # Not differentiated, the custom_vjp's own jaxpr is walked.
+  op, = jaxmp.precision_report(lambda w, x: product(x, w), w, x).ops
+  assert op.direction == "forward" and op.source == line_of(product.fun, 2)  # below its decorator
+
+
+def test_jit_cond_and_while_are_walked():
+  def fn(w, x):
+    y = jax.lax.cond(jnp.sum(x) > 0, lambda y: y @ w, lambda y: y + 1, x)
+    return jax.lax.while_loop(
+        lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] @ w), (0, y))[1]
+
+  report = jaxmp.precision_report(jax.jit(fn), jnp.ones((4, 4)), jnp.ones((2, 4)))
+  # A while body counts once; it cannot know how often it runs.
+  assert [(op.repeats, op.flops) for op in report.ops] == [(1, 64), (1, 64)]
+  assert all(op.operands[1] == "w" for op in report.ops)
+
+
+def test_shard_map_counts_every_device():
+  mesh = Mesh(np.array(jax.devices()), ("d",))
+  shards = len(jax.devices())
+  fn = jax.shard_map(lambda a, b: a @ b, mesh=mesh,
+                     in_specs=(PartitionSpec("d"), PartitionSpec()),
+                     out_specs=PartitionSpec("d"))
+  op, = jaxmp.precision_report(fn, jnp.ones((2 * shards, 3)), jnp.ones((3, 5))).ops
+  assert op.repeats == shards and op.lhs_shape == (2, 3)
+  assert op.flops == 2 * (2 * shards) * 5 * 3  # the FLOPs of the whole product
+
+
+def test_static_arguments_and_abstract_values_run_nothing():
+  def fn(x, w, *, train):
+    if train:  # a Python flag stays a Python value
+      x = x * 2
+    return x @ w
+
+  x = jax.ShapeDtypeStruct((8, 3), jnp.float16)
+  w = jax.ShapeDtypeStruct((3, 2), jnp.float16)
+  with jax.transfer_guard("disallow"):
+    report = jaxmp.precision_report(fn, x, w, train=True)
+  assert report.flops_by_dtype() == {("float16", "float16"): 96}
+
+
+def test_mixed_inputs_and_the_table():
+  def fn(x, w):
+    return x.astype(jnp.float16) @ w  # w stays float32
+
+  report = jaxmp.precision_report(fn, jnp.ones((4, 3)), jnp.ones((3, 2)))
+  op, = report.ops
+  assert op.inputs == ("float16", "float32") and op.cause == "mixed"
+  assert report.ops_outside("f16") == (op,) and report.flops_share("f16") == 0.0
+  text = str(report)
+  assert text.splitlines()[:3] == [
+      "jaxmp precision report: 1 matmul/conv ops, 48 FLOPs per call (forward 48)",
+      "FLOPs by input dtypes:",
+      "  float16 x float32     100.0%  48",
+  ]
+  header, row = text.splitlines()[4:6]
+  assert header.split() == ["pass", "op", "inputs", "output", "shapes", "FLOPs",
+                            "where", "cause", "source"]
+  assert row.split()[:9] == ["forward", "dot", "float16", "x", "float32", "float32",
+                             "[4,3]", "x", "[3,2]"]
+  assert row.rstrip().endswith(line_of(fn)) and " mixed " in row
+  empty = jaxmp.precision_report(jnp.tanh, jnp.ones(3))
+  assert empty.ops == () and "nothing to report" in str(empty)
+
+
+# ---------------------------------------------------------------------------
+# Linen under jaxmp.flax.TrainState.
+
+
+class MLP(nn.Module):
+  dtype: object = None  # Flax's default: compute in the dtype of the inputs
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(16, dtype=self.dtype, name="hidden")(x))
+    x = nn.LayerNorm(dtype=self.dtype)(x)
+    return nn.Dense(3, dtype=self.dtype)(x)
+
+
+X = jax.random.normal(jax.random.key(0), (8, 4))
+Y = jax.random.randint(jax.random.key(1), (8,), 0, 3)
+
+
+def linen_state(dtype=None, policy="mixed_float16"):
+  model = MLP(dtype=dtype)
+  params = model.init(jax.random.key(0), X)["params"]
+  return jaxmp.flax.TrainState.create(
+      apply_fn=model.apply, params=params, tx=optax.sgd(0.1), policy=policy), model
+
+
+def cross_entropy(logits, y):
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), y).mean()
+
+
+def make_step():
+  """A new training step, so that no test finds another's in jit's cache."""
+
+  def step_with_arguments(state, x, y):
+    def loss_fn(params, x, y):
+      return cross_entropy(state.apply_fn({"params": params}, x), y)
+
+    loss, grads = state.value_and_grad(loss_fn)(state.params, x, y)
+    return state.apply_gradients(grads=grads), loss
+
+  return step_with_arguments
+
+
+def precision_warnings(record):
+  return [str(w.message) for w in record if issubclass(w.category, jaxmp.PrecisionWarning)]
+
+
+def test_a_model_with_its_own_float32_dtype_warns_naming_the_layers_and_the_fix():
+  state, _ = linen_state(dtype=jnp.float32)
+  step = jax.jit(make_step())
+  with pytest.warns(jaxmp.PrecisionWarning) as record:
+    step(state, X, Y)
+  # The jaxpr: every matmul (forward and backward) runs in float32, although
+  # the policy casts the params and the inputs to float16.
+  assert jaxpr_dot_dtypes(step, state, X, Y) == {("float32", "float32")}
+  text, = precision_warnings(record)
+  assert text.startswith(
+      "TrainState.value_and_grad: the policy computes in float16, but only 0% "
+      "of the matmul and convolution FLOPs of the loss function run in float16 "
+      "(100% in float32).")
+  assert "cast back to float32 inside MLP/hidden, MLP/Dense_0" in text
+  assert "a Flax layer built with its own dtype=jnp.float32" in text
+  assert "jaxmp.flax.ModulePolicy(..., override_dtype=True)" in text
+  assert "build the model with dtype=None" in text
+  assert record[0].filename == __file__  # points at the call in the step
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", jaxmp.PrecisionWarning)
+    report = jaxmp.precision_report(make_step(), state, X, Y)
+  assert report.flops_share("float32") == 1.0
+  forward = [op for op in report.ops if op.direction == "forward"]
+  assert [(op.module, op.cause) for op in forward] == [
+      ("MLP/hidden", "recast"), ("MLP/Dense_0", "recast")]
+  assert forward[0].operands == ("x", "state/params/hidden/kernel")
+
+
+class WarnsJittedOrNotTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_the_warning_comes_at_the_first_call_either_way(self):
+    state, _ = linen_state(dtype=jnp.float32)
+    step = self.variant(make_step())
+    with pytest.warns(jaxmp.PrecisionWarning, match="inside MLP/hidden, MLP/Dense_0"):
+      new_state, loss = step(state, X, Y)
+    # and the step itself runs as before (test_flax_train_state checks its values).
+    self.assertEqual(int(new_state.step), 1)
+    self.assertTrue(np.isfinite(loss))
+
+
+def test_a_module_policy_does_not_hide_the_models_dtype():
+  policy = jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_float16")
+  state, _ = linen_state(dtype=jnp.float32, policy=policy)
+  with pytest.warns(jaxmp.PrecisionWarning, match="inside MLP/hidden, MLP/Dense_0"):
+    jax.jit(make_step())(state, X, Y)
+
+
+def test_a_loss_fn_closing_over_a_float32_batch_warns_naming_the_closure():
+  state, model = linen_state()
+
+  def step(state):
+    def loss_fn(params):  # Flax's canonical form: the batch is captured
+      return cross_entropy(model.apply({"params": params}, X), Y)
+
+    return state.value_and_grad(loss_fn)(state.params)
+
+  with pytest.warns(jaxmp.PrecisionWarning) as record:
+    jax.jit(step)(state)
+  assert jaxpr_dot_dtypes(step, state) == {("float32", "float32")}
+  text, = precision_warnings(record)
+  assert ("fed by a float32 array that the loss function captures by closure "
+          "(float32[8,4]), in MLP/hidden, MLP/Dense_0.") in text
+  assert "pass the batch as an argument" in text
+  assert "call the model through state.apply_fn" in text
+  assert "cast back" not in text  # the closure, not the layers, is the cause
+
+
+def test_a_correct_float16_model_does_not_warn_nor_retrace_nor_transfer():
+  state, _ = linen_state()
+
+  step_with_arguments = make_step()
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(state, x, y):
+    return step_with_arguments(state, x, y)
+
+  x, y = jax.device_put(X), jax.device_put(Y)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jaxmp.PrecisionWarning)
+    with jax.transfer_guard("disallow"):
+      state, _ = step(state, x, y)
+      state, _ = step(state, x, y)
+  assert int(state.step) == 2
+  assert jaxpr_dot_dtypes(step_with_arguments, state, X, Y) == {("float16", "float16")}
+  report = jaxmp.precision_report(step_with_arguments, state, X, Y)
+  assert report.flops_share("float16") == 1.0
+  assert {op.direction for op in report.ops} == {"forward", "backward"}
+
+
+def test_a_float32_policy_never_warns():
+  state, model = linen_state(dtype=jnp.float32, policy="float32")
+
+  def step(state):
+    return state.value_and_grad(
+        lambda p: cross_entropy(model.apply({"params": p}, X), Y))(state.params)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jaxmp.PrecisionWarning)
+    jax.jit(step)(state)
+
+
+def test_float32_on_purpose_under_a_rule_does_not_warn():
+  # The output layer in float32 by a rule: 1% of the FLOPs would be float16,
+  # but nothing promoted them, so there is nothing to fix.
+  class Wide(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      x = nn.LayerNorm()(nn.Dense(4)(x))
+      return nn.Dense(512, name="head")(x)
+
+  model = Wide()
+  params = model.init(jax.random.key(0), X)["params"]
+  for policy in (jaxmp.flax.ModulePolicy({"head": "float32"}, default="mixed_float16"),
+                 jaxmp.PathPolicy({"head": "float32"}, default="mixed_float16")):
+    state = jaxmp.flax.TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.sgd(0.1), policy=policy)
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", jaxmp.PrecisionWarning)
+      jax.jit(make_step())(state, X, Y)
+    report = jaxmp.precision_report(make_step(), state, X, Y)
+    assert report.flops_share("float16", direction="forward") < 0.5
+    assert not any(op.cause for op in report.ops_outside("float16", "forward"))
+
+
+def test_once_per_trace_bfloat16_and_escalation():
+  state, _ = linen_state(dtype=jnp.float32, policy="mixed_bfloat16")
+  step = jax.jit(make_step())
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    step(state, X, Y)
+    step(state, X, Y)  # no new trace: no new check
+    step(state, X[:4], Y[:4])  # a new shape: a new trace, checked again
+  texts = precision_warnings(record)
+  assert len(texts) == 2
+  assert all("the policy computes in bfloat16" in t and "or dtype=jnp.bfloat16" in t
+             for t in texts)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jaxmp.PrecisionWarning)
+    with pytest.raises(jaxmp.PrecisionWarning):
+      jax.jit(make_step())(state, X, Y)
+
+
+# ---------------------------------------------------------------------------
+# NNX.
+
+
+class CustomDense(nnx.Module):  # a layer of one's own, with no dtype attribute
+
+  def __init__(self, features_in, features_out, rngs):
+    self.kernel = nnx.Param(jax.random.normal(rngs.params(), (features_in, features_out)))
+
+  def __call__(self, x):
+    return x @ self.kernel[...]
+
+
+class NNXModel(nnx.Module):
+
+  def __init__(self, rngs, dtype=None, param_dtype=jnp.float32, custom=False):
+    self.dense1 = nnx.Linear(4, 8, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.norm = nnx.BatchNorm(8, rngs=rngs)
+    self.dense2 = (CustomDense(8, 64, rngs) if custom else
+                   nnx.Linear(8, 64, dtype=dtype, param_dtype=param_dtype, rngs=rngs))
+
+  def __call__(self, x):
+    return self.dense2(self.norm(nnx.relu(self.dense1(x))))
+
+
+def nnx_train(model):
+  optimizer = nnx.Optimizer(
+      model, jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.StaticLossScale(8.0)),
+      wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, x):
+    loss_fn = lambda model: jnp.mean(model(x).astype(jnp.float32) ** 2)
+    loss, grads = jaxmp.flax.nnx_scaled_value_and_grad(
+        loss_fn, jaxmp.get_loss_scale(optimizer.opt_state))(model)
+    optimizer.update(model, grads)
+    return loss
+
+  return step, optimizer
+
+
+def nnx_forward_dtypes(model):
+  graphdef, state = nnx.split(model)
+  return jaxpr_dot_dtypes(lambda s: nnx.merge(graphdef, s)(X), state)
+
+
+def test_nnx_model_with_the_policy_set_does_not_warn_and_is_left_untouched():
+  model = NNXModel(nnx.Rngs(0))
+  jaxmp.flax.ModulePolicy(default="mixed_float16").set_nnx_dtypes(model)
+  assert nnx_forward_dtypes(model) == {("float16", "float16")}
+  twin = NNXModel(nnx.Rngs(0))
+  jaxmp.flax.ModulePolicy(default="mixed_float16").set_nnx_dtypes(twin)
+  step, optimizer = nnx_train(model)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jaxmp.PrecisionWarning)
+    step(model, optimizer, X)
+  # The audit traced a copy: the BatchNorm statistics moved once, exactly as
+  # one plain nnx.value_and_grad step moves them.
+  nnx.value_and_grad(lambda m: jnp.mean(m(X).astype(jnp.float32) ** 2))(twin)
+  chex.assert_trees_all_equal(nnx.state(model, nnx.BatchStat), nnx.state(twin, nnx.BatchStat))
+  assert not np.array_equal(model.norm.mean[...], np.zeros(8))
+
+
+def test_nnx_float16_params_fed_a_captured_float32_batch_warn():
+  model = NNXModel(nnx.Rngs(0), param_dtype=jnp.float16)
+  assert nnx_forward_dtypes(model) == {("float32", "float32")}
+  step, optimizer = nnx_train(model)
+  with pytest.warns(jaxmp.PrecisionWarning) as record:
+    step(model, optimizer, X)
+  text, = precision_warnings(record)
+  assert text.startswith(
+      "nnx_scaled_value_and_grad: the model computes in float16 (the 16-bit "
+      "dtype its trace shows), but only 0% of the matmul")
+  assert "captures by closure (float32[8,4]), in model/dense1/kernel/value" in text
+  assert "set_nnx_dtypes(model)" in text and "jaxmp.precision_report(loss_fn, model)" in text
+
+
+def test_nnx_layer_without_a_dtype_warns():
+  model = NNXModel(nnx.Rngs(0), custom=True)
+  jaxmp.flax.ModulePolicy(default="mixed_float16").set_nnx_dtypes(model)
+  assert nnx_forward_dtypes(model) == {("float16", "float16"), ("float16", "float32")}
+  step, optimizer = nnx_train(model)
+  with pytest.warns(jaxmp.PrecisionWarning) as record:
+    step(model, optimizer, X)
+  text, = precision_warnings(record)
+  assert "only 6% of the matmul" in text  # 512 of 8704 FLOPs
+  assert "computed from a float16 and a float32 input, in model/dense2/kernel/value" in text
+  assert "A layer without a dtype attribute" in text
+
+
+def test_nnx_float32_model_never_warns():
+  model = NNXModel(nnx.Rngs(0))
+  step, optimizer = nnx_train(model)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jaxmp.PrecisionWarning)
+    step(model, optimizer, X)
