@@ -330,3 +330,27 @@ def test_closures_and_eval_through_apply_fn_run_under_every_policy_kind(kind):
   new_state, loss = jax.jit(train_step)(state)
   assert loss.dtype == np.float32 and bool(new_state.metrics["last_finite"])
   assert {p.dtype for p in jax.tree_util.tree_leaves(new_state.params)} == {np.dtype("float32")}
+
+
+@pytest.mark.parametrize("kind", ["policy", "path_policy", "module_policy"])
+def test_wrapped_apply_functions_of_equal_policies_are_equal(kind):
+  make = {
+      "policy": lambda: jaxmp.get_policy("mixed_float16"),
+      "path_policy": lambda: jaxmp.PathPolicy({"bias$": "float32"}, default="mixed_float16"),
+      "module_policy": lambda: jaxmp.flax.ModulePolicy({}, default="mixed_float16"),
+  }[kind]
+  model = MLP()
+  a, b = make().wrap_apply(model.apply), make().wrap_apply(model.apply)
+  assert a == b and hash(a) == hash(b)
+  assert a != make().wrap_apply(MLP().apply)  # another model
+  assert a.__name__ == "apply" and a.__wrapped__ == model.apply
+  chex.clear_trace_counter()  # the counter is shared by the parametrized runs
+
+  @jax.jit(static_argnums=0)
+  @chex.assert_max_traces(n=1)
+  def eval_step(apply, variables, x):
+    return apply(variables, x)
+
+  x = jnp.ones((2, 4))
+  variables = mlp_variables(x)
+  chex.assert_trees_all_equal(eval_step(a, variables, x), eval_step(b, variables, x))

@@ -292,7 +292,34 @@ def cast_apply_output(io_policy: "Policy", result: Any,
   return io_policy.cast_to_output(result)
 
 
-def apply_under_policy(policy: PolicyLike, apply_fn: Callable[..., Any]) -> Callable[..., Any]:
+class WrappedApply:
+  """What ``wrap_apply`` returns: ``run(policy, apply_fn, *args, **kwargs)``.
+
+  It has ``apply_fn``'s name and docstring, and compares (and hashes) equal
+  to another made from an equal policy and an equal ``apply_fn``, as bound
+  methods such as ``model.apply`` do: as a static argument of ``jax.jit`` it
+  does not recompile for each ``wrap_apply`` call.
+  """
+
+  def __init__(self, run: Callable[..., Any], policy: Any, apply_fn: Callable[..., Any]):
+    self._run, self.policy, self.apply_fn = run, policy, apply_fn
+    functools.update_wrapper(self, apply_fn, updated=())
+
+  def __call__(self, *args, **kwargs):
+    return self._run(self.policy, self.apply_fn, *args, **kwargs)
+
+  def _key(self) -> tuple[Any, ...]:
+    return (self._run, self.policy, self.apply_fn)
+
+  def __eq__(self, other: Any) -> bool:
+    return isinstance(other, WrappedApply) and self._key() == other._key()
+
+  def __hash__(self) -> int:
+    return hash(self._key())
+
+
+def _apply_under(policy: PolicyLike, apply_fn: Callable[..., Any], variables: Any,
+                 *args, **kwargs) -> Any:
   """``apply_fn(variables, *args, **kwargs)`` run under ``policy``.
 
   Shared by :meth:`Policy.wrap_apply` and :meth:`jaxmp.PathPolicy.wrap_apply`:
@@ -301,15 +328,20 @@ def apply_under_policy(policy: PolicyLike, apply_fn: Callable[..., Any]) -> Call
   ``policy.io_policy``.
   """
   io_policy = policy.io_policy
+  if isinstance(variables, Mapping) and "params" in variables:
+    variables = {**variables, "params": policy.params_for_compute(variables["params"])}
+  args, kwargs = io_policy.cast_to_compute((args, kwargs))
+  return cast_apply_output(io_policy, apply_fn(variables, *args, **kwargs), kwargs)
 
-  @functools.wraps(apply_fn)
-  def apply(variables, *args, **kwargs):
-    if isinstance(variables, Mapping) and "params" in variables:
-      variables = {**variables, "params": policy.params_for_compute(variables["params"])}
-    args, kwargs = io_policy.cast_to_compute((args, kwargs))
-    return cast_apply_output(io_policy, apply_fn(variables, *args, **kwargs), kwargs)
 
-  return apply
+def apply_under_policy(policy: PolicyLike, apply_fn: Callable[..., Any]) -> WrappedApply:
+  """``apply_fn`` running under ``policy`` (see :meth:`Policy.wrap_apply`).
+
+  Raises:
+    ValueError: if ``policy`` has no policy for inputs and outputs.
+  """
+  policy.io_policy  # pylint: disable=pointless-statement
+  return WrappedApply(_apply_under, policy, apply_fn)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,6 @@ applied to a Linen model's ``apply`` with :meth:`ModulePolicy.wrap_apply` (an
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 import threading
 from typing import Any, Callable, Iterable, Mapping
@@ -22,7 +21,12 @@ import numpy as np
 from flax import struct
 from flax.core import meta
 
-from jaxmp._src.policy import Policy, cast_apply_output, is_floating_array
+from jaxmp._src.policy import (
+    Policy,
+    WrappedApply,
+    cast_apply_output,
+    is_floating_array,
+)
 from jaxmp._src.rules import RuleTable, check_pattern, rule_table
 
 # The policies of the Linen module methods now running, innermost last.
@@ -370,21 +374,7 @@ class ModulePolicy:
       ...                                    override_dtype=True))
       [('float16', 'float16')]
     """
-    import flax.linen as nn  # pylint: disable=g-import-not-at-top
-
-    io_policy = self.default
-
-    @functools.wraps(apply_fn)
-    def apply(variables, *args, **kwargs):
-      if isinstance(variables, Mapping) and "params" in variables:
-        variables = {**variables, "params": _box_params(variables["params"])}
-      with nn.intercept_methods(self._intercept):
-        result = apply_fn(variables, *args, **kwargs)
-      if io_policy is None:
-        return result
-      return cast_apply_output(io_policy, result, kwargs)
-
-    return apply
+    return WrappedApply(_apply_under_modules, self, apply_fn)
 
   # NNX.
 
@@ -478,6 +468,20 @@ class ModulePolicy:
             set_paths.items(), key=lambda item: [str(p) for p in item[0]]
         )
     }
+
+
+def _apply_under_modules(policy: ModulePolicy, apply_fn: Callable[..., Any],
+                         variables: Any, *args, **kwargs) -> Any:
+  """``apply_fn(variables, *args, **kwargs)`` under the module policy."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  if isinstance(variables, Mapping) and "params" in variables:
+    variables = {**variables, "params": _box_params(variables["params"])}
+  with nn.intercept_methods(policy._intercept):  # pylint: disable=protected-access
+    result = apply_fn(variables, *args, **kwargs)
+  if policy.default is None:
+    return result
+  return cast_apply_output(policy.default, result, kwargs)
 
 
 def _rule_hits(key: Any, module: Any, name: str | None, path: str) -> bool:
