@@ -190,7 +190,7 @@ CASES = [
     Case("ModulePolicy: override_dtype of a class without dtype",
          lambda: jaxmp.flax.ModulePolicy({}, override_dtype=(nn.Dropout,)), ValueError,
          r"names flax\.linen\.stochastic\.Dropout, which has no dtype attribute",
-         r"Name the layers that take dtype="),
+         r"Name the Linen layers that take dtype=.*set_nnx_dtypes sets every layer"),
     Case("ModulePolicy: overlapping rules", linen_overlap, ValueError,
          r"ModulePolicy: the module Dense at path 'layers_0' matches several rules: "
          r"flax\.linen\.linear\.Dense, 'layers_0'",

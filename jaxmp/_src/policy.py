@@ -204,10 +204,15 @@ def cast_floating(tree: T, dtype: Any) -> T:
 _WARNED_PARAM_DTYPE: set[tuple[Any, Any, Any]] = set()
 
 
+# Frames of these packages are skipped when a warning looks for the user's line.
+_LIBRARY_PREFIXES = ("jaxmp.", "jax.", "flax.", "optax.")
+
+
 def _caller_stacklevel() -> int:
-  """The ``stacklevel`` of the first frame outside the jaxmp package."""
+  """The ``stacklevel`` of the first frame outside jaxmp, JAX, Flax and optax."""
   frame, level = sys._getframe(1), 1  # pylint: disable=protected-access
-  while frame is not None and frame.f_globals.get("__name__", "").startswith("jaxmp"):
+  while frame is not None and (
+      frame.f_globals.get("__name__", "") + ".").startswith(_LIBRARY_PREFIXES):
     frame, level = frame.f_back, level + 1
   return level
 

@@ -118,9 +118,10 @@ def _check_override_dtype(value: Any) -> bool | tuple[type, ...]:
     if not _has_dtype_field(cls):
       raise ValueError(
           f"ModulePolicy: override_dtype names {_key_repr(cls)}, which has no "
-          "dtype attribute, so there is nothing to override. Name the layers "
-          "that take dtype= (e.g. nn.Dense, nn.Conv, or your model class if it "
-          "declares dtype)."
+          "dtype attribute, so there is nothing to override. Name the Linen "
+          "layers that take dtype= (e.g. nn.Dense, nn.Conv, or your model class "
+          "if it declares dtype); for NNX models, set_nnx_dtypes sets every "
+          "layer's dtype without it."
       )
   return tuple(classes)
 
