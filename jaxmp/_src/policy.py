@@ -316,7 +316,7 @@ class WrappedApply:
   def _key(self) -> tuple[Any, ...]:
     return (self._run, self.policy, self.apply_fn)
 
-  def __eq__(self, other: Any) -> bool:
+  def __eq__(self, other: object) -> bool:
     return isinstance(other, WrappedApply) and self._key() == other._key()
 
   def __hash__(self) -> int:
@@ -345,7 +345,7 @@ def apply_under_policy(policy: PolicyLike, apply_fn: Callable[..., Any]) -> Wrap
   Raises:
     ValueError: if ``policy`` has no policy for inputs and outputs.
   """
-  policy.io_policy  # pylint: disable=pointless-statement
+  _ = policy.io_policy  # raises now, not at the first call, without one
   return WrappedApply(_apply_under, policy, apply_fn)
 
 
