@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import jaxmp
 import jaxmp.flax
@@ -55,12 +56,39 @@ def update_with(grads, state=STATE, tx=TX):
   return lambda: tx.update(grads, state, PARAMS)
 
 
+def linen_overlap():
+  policy = jaxmp.flax.ModulePolicy({nn.Dense: "mixed_bfloat16", "layers_0": "f32"})
+  model = nn.Sequential([nn.Dense(2)])
+  x = jnp.ones((1, 2))
+  return policy.wrap_apply(model.apply)(model.init(jax.random.key(0), x), x)
+
+
+class NnxRaw(nnx.Module):
+
+  def __init__(self):
+    self.w = nnx.Param(jnp.ones(2))
+
+
+def nnx_model():
+
+  class Holder(nnx.Module):
+
+    def __init__(self):
+      self.raw = NnxRaw()
+      self.linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+  return Holder()
+
+
 def jitted_update_on_unbound_axis():
   tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(), axis_name="batch")
   return jax.jit(tx.update)(PARAMS, tx.init(PARAMS), PARAMS)
 
 
 VALID_DTYPES = r"Valid dtype names are: bf16, bfloat16, f16, f32"
+# Every error about a policy string lists the keys, the dtype names and the presets.
+POLICY_GRAMMAR = (r"Valid keys are p, params, c, compute, o, output\. " + VALID_DTYPES
+                  + r".*fp16, fp32, fp64, full, half\. Presets are mixed_bfloat16")
 SCALE_HINT = r"powers of two such as 2\.0\*\*15"
 NO_STATE_FIX = r"Wrap the optimizer with jaxmp\.loss_scaling\(optax\.adamw"
 SAME_PARAMS = r"Differentiate with respect to the same params you pass to update"
@@ -68,33 +96,120 @@ SAME_PARAMS = r"Differentiate with respect to the same params you pass to update
 CASES = [
     # -- Policies ------------------------------------------------------------
     Case("policy: empty string", lambda: jaxmp.get_policy(""), ValueError,
-         r"Empty policy string", r"Use a preset \(mixed_bfloat16, mixed_float16"),
+         r"Empty policy string", POLICY_GRAMMAR),
     Case("policy: missing dtype", lambda: jaxmp.get_policy("p="), ValueError,
-         r"Missing dtype after p= in policy 'p='", VALID_DTYPES),
+         r"Missing dtype after p= in policy 'p='", POLICY_GRAMMAR),
     Case("policy: integer dtype", lambda: jaxmp.get_policy("c=int32"), ValueError,
-         r"key 'c': Unknown dtype 'int32'", VALID_DTYPES),
+         r"In policy 'c=int32', key 'c': Unknown dtype 'int32'", POLICY_GRAMMAR),
+    Case("policy: bare float8", lambda: jaxmp.get_policy("c=float8"), ValueError,
+         r"key 'c': Unknown dtype 'float8'", r"float8_e4m3fn, float8_e5m2"),
     Case("policy: ';' separator", lambda: jaxmp.get_policy("p=f32;c=bf16"), ValueError,
          r"Unknown dtype 'f32;c=bf16'", r"Separate the parts of a policy with ','"),
-    Case("policy: unknown preset", lambda: jaxmp.get_policy("mixed_float8"), ValueError,
-         r"Unknown policy 'mixed_float8'", r"Use a preset \(mixed_bfloat16"),
+    Case("policy: unknown preset", lambda: jaxmp.get_policy("mixed_fp16"), ValueError,
+         r"Unknown policy 'mixed_fp16': not a preset\. Unknown dtype 'mixed_fp16'",
+         r"Did you mean 'mixed_float16'\?.*Presets are mixed_bfloat16, mixed_float16"),
+    Case("policy: a jmp-style near miss", lambda: jaxmp.get_policy("compute_float16"),
+         ValueError, r"Unknown dtype 'compute_float16'", POLICY_GRAMMAR),
     Case("policy: not a string", lambda: jaxmp.get_policy(16), TypeError,
          r"got 16 of type int", r"a string such as 'mixed_bfloat16'"),
     Case("policy: unknown key", lambda: jaxmp.get_policy("q=f32"), ValueError,
-         r"Unknown key 'q'", r"Valid keys are p, params, c, compute, o, output"),
+         r"Unknown key 'q' in policy 'q=f32'", POLICY_GRAMMAR),
+    Case("policy: misspelt key", lambda: jaxmp.get_policy("param=f32,c=bf16"), ValueError,
+         r"Unknown key 'param'", r"Did you mean 'params'\?.*" + POLICY_GRAMMAR),
     Case("policy: key given twice", lambda: jaxmp.get_policy("p=f32,params=bf16"),
          ValueError, r"sets param_dtype a second time", r"at most once"),
+    Case("policy: key repeated to override (jmp keeps the last)",
+         lambda: jaxmp.get_policy("c=f16,c=bf16"), ValueError,
+         r"Key 'c' in policy 'c=f16,c=bf16' sets compute_dtype a second time",
+         r"use policy\.with_compute_dtype\(\.\.\.\)"),
     Case("policy: part without '='", lambda: jaxmp.get_policy("p=f32,c=bf16,x"),
-         ValueError, r"Policy part 'x' .* is not of the form key=dtype",
-         r"e\.g\. 'p=f32,c=bf16,o=f32'"),
+         ValueError, r"Policy part 'x' of 'p=f32,c=bf16,x' is not of the form key=dtype",
+         POLICY_GRAMMAR),
     Case("Policy: non-floating dtype",
          lambda: jaxmp.Policy(jnp.float32, jnp.int8, jnp.float32), ValueError,
-         r"must be floating, got int8", VALID_DTYPES),
+         r"Policy: compute_dtype must be a floating dtype .*got int8", VALID_DTYPES),
+    Case("Policy: None as a dtype", lambda: jaxmp.Policy(None, "f32", "f32"), TypeError,
+         r"Policy: param_dtype must be a floating dtype .*got None of type NoneType",
+         r"such as jnp\.float16 or jnp\.bfloat16.*" + VALID_DTYPES),
     Case("Policy.with_output_dtype: unknown name",
          lambda: jaxmp.get_policy("float32").with_output_dtype("f17"), ValueError,
-         r"Unknown dtype 'f17'", VALID_DTYPES),
+         r"Unknown dtype 'f17'", r"Did you mean 'f16'\?.*" + VALID_DTYPES),
     Case("auto_policy: a platform name instead of a device",
          lambda: jaxmp.auto_policy("gpu"), TypeError,
          r"expects a JAX device or None, got 'gpu'", r"jax\.devices\(\)\[0\]"),
+    Case("PathPolicy: invalid regular expression", lambda: jaxmp.PathPolicy({"(": "f32"}),
+         ValueError, r"PathPolicy: '\(' is not a valid regular expression",
+         r"missing \), unterminated subpattern"),
+    Case("PathPolicy: a pattern that is not a string",
+         lambda: jaxmp.PathPolicy({3: "f32"}), TypeError,
+         r"PathPolicy: a pattern must be a regular-expression string, got 3 of type int",
+         r"regular-expression string"),
+    Case("PathPolicy: a bad policy for a pattern",
+         lambda: jaxmp.PathPolicy({"head": "p=f32;c=bf16"}), ValueError,
+         r"PathPolicy, rule 'head': In policy 'p=f32;c=bf16'",
+         r"Separate the parts of a policy with ','"),
+    Case("PathPolicy: a bad default", lambda: jaxmp.PathPolicy({}, default="f17"),
+         ValueError, r"PathPolicy, default: Unknown policy 'f17'", POLICY_GRAMMAR),
+    Case("PathPolicy: a pattern given twice",
+         lambda: jaxmp.PathPolicy([("x", "f32"), ("x", "mixed_bfloat16")]), ValueError,
+         r"PathPolicy: the rule 'x' is given twice", r"give each pattern once"),
+    Case("PathPolicy: rules that are not pairs", lambda: jaxmp.PathPolicy(["x"]),
+         TypeError, r"got the item 'x'",
+         r"rules must be a dict \{pattern: policy\} or a list of \(pattern, policy\) pairs"),
+    Case("PathPolicy: a policy string as the rules", lambda: jaxmp.PathPolicy("bf16"),
+         TypeError, r"got 'bf16' of type str",
+         r"For one policy everywhere, use the policy itself"),
+    Case("PathPolicy: None as the rules", lambda: jaxmp.PathPolicy(None), TypeError,
+         r"got None of type NoneType", r"rules must be a dict \{pattern: policy\}"),
+    Case("PathPolicy: first_match not a bool",
+         lambda: jaxmp.PathPolicy({}, first_match="yes"), TypeError,
+         r"PathPolicy: first_match must be True or False, got 'yes'", r"True or False"),
+    Case("PathPolicy: overlapping patterns",
+         lambda: jaxmp.PathPolicy({"bias$": "f32", "head": "mixed_bfloat16"}).policy_for(
+             "params/head/bias"), ValueError,
+         r"PathPolicy: the path 'params/head/bias' matches several rules: 'bias\$', 'head'",
+         r"anchor the patterns with \^ and \$\), or pass first_match=True"),
+    Case("PathPolicy: an unmatched path without a default",
+         lambda: jaxmp.PathPolicy({"head": "f32"}, default=None).cast_to_compute(
+             {"body": {"w": jnp.ones(1)}}), ValueError,
+         r"PathPolicy: no rule matches the path 'body/w' and there is no default policy\. "
+         r"The rules are: 'head'", r"Add a rule for it, or pass default=\.\.\."),
+    Case("PathPolicy.wrap_apply: no default for the inputs and outputs",
+         lambda: jaxmp.PathPolicy({"head": "f32"}, default=None).wrap_apply(lambda v: v),
+         ValueError, r"This PathPolicy needs a default policy: it is the policy of the "
+         r"model's inputs and outputs", r"Pass default=\.\.\."),
+    Case("ModulePolicy: a bad policy for a module",
+         lambda: jaxmp.flax.ModulePolicy({nn.LayerNorm: "c=int8"}), ValueError,
+         r"ModulePolicy, rule flax\.linen\.normalization\.LayerNorm: .*Unknown dtype 'int8'",
+         VALID_DTYPES),
+    Case("ModulePolicy: a key that is neither a class nor a name",
+         lambda: jaxmp.flax.ModulePolicy({3: "f32"}), TypeError,
+         r"got 3 of type int", r"module classes \(e\.g\. nn\.LayerNorm\) or strings"),
+    Case("ModulePolicy: an instance as the key",
+         lambda: jaxmp.flax.ModulePolicy({nn.LayerNorm(): "f32"}), TypeError,
+         r"got LayerNorm\(.*of type LayerNorm", r"module classes \(e\.g\. nn\.LayerNorm\)"),
+    Case("ModulePolicy: override_dtype of a wrong kind",
+         lambda: jaxmp.flax.ModulePolicy({}, override_dtype="dense"), TypeError,
+         r"override_dtype .*got 'dense'", r"a tuple of module classes such as \(nn\.Dense, nn\.Conv\)"),
+    Case("ModulePolicy: override_dtype of a class without dtype",
+         lambda: jaxmp.flax.ModulePolicy({}, override_dtype=(nn.Dropout,)), ValueError,
+         r"names flax\.linen\.stochastic\.Dropout, which has no dtype attribute",
+         r"Name the Linen layers that take dtype=.*set_nnx_dtypes sets every layer"),
+    Case("ModulePolicy: overlapping rules", linen_overlap, ValueError,
+         r"ModulePolicy: the module Dense at path 'layers_0' matches several rules: "
+         r"flax\.linen\.linear\.Dense, 'layers_0'",
+         r"Make the rules exclusive.*or pass first_match=True"),
+    Case("ModulePolicy: a rule that matches no NNX module",
+         lambda: jaxmp.flax.ModulePolicy({"Head": "f32"}).set_nnx_dtypes(nnx_model()),
+         ValueError, r"the rule 'Head' matches no module of the model\. "
+         r"Module paths are: 'linear'", r"Check the rule for a typo"),
+    Case("ModulePolicy: a rule for NNX modules without dtype",
+         lambda: jaxmp.flax.ModulePolicy({NnxRaw: "bf16"}).set_nnx_dtypes(nnx_model()),
+         ValueError, r"matches modules without a dtype attribute",
+         r"Name the layers inside them instead"),
+    Case("ModulePolicy.set_nnx_dtypes: a Linen model",
+         lambda: jaxmp.flax.ModulePolicy({}).set_nnx_dtypes(nn.Dense(2)), TypeError,
+         r"set_nnx_dtypes expects an nnx\.Module.*Got Dense", r"use wrap_apply\(model\.apply\)"),
     # -- Loss scales (validation at construction) -------------------------------
     # Python numbers, NumPy numbers and concrete arrays are validated alike.
     Case("DynamicLossScale: zero scale", dynamic(0.0), ValueError,
@@ -458,15 +573,17 @@ CASES = [
          lambda: jaxmp.flax.TrainState.create(
              apply_fn=None, params=PARAMS, tx=optax.sgd(0.1), loss_scale=1024.0),
          TypeError, r"got 1024\.0", r"such as jaxmp\.DynamicLossScale\(\)"),
-    Case("ModulePolicy: a bad policy for a module",
-         lambda: jaxmp.flax.ModulePolicy({nn.LayerNorm: "c=int8"}), ValueError,
-         r"LayerNorm: .*Unknown dtype 'int8'", VALID_DTYPES),
     Case("dtype_headroom: an integer dtype",
-         lambda: jaxmp.dtype_headroom(jnp.ones(2), jnp.int8), TypeError,
-         r"got <class 'jax\.numpy\.int8'>", r"such as jnp\.float16 or jnp\.bfloat16"),
+         lambda: jaxmp.dtype_headroom(jnp.ones(2), jnp.int8), ValueError,
+         r"dtype_headroom: dtype must be a floating dtype .*got int8",
+         r"such as jnp\.float16 or jnp\.bfloat16"),
     Case("suggest_loss_scale: an integer dtype",
-         lambda: jaxmp.suggest_loss_scale({"w": jnp.ones(2)}, jnp.int8), TypeError,
-         r"suggest_loss_scale: .*got <class 'jax\.numpy\.int8'>",
+         lambda: jaxmp.suggest_loss_scale({"w": jnp.ones(2)}, jnp.int8), ValueError,
+         r"suggest_loss_scale: dtype must be a floating dtype .*got int8",
+         r"such as jnp\.float16 or jnp\.bfloat16"),
+    Case("dtype_headroom: not a dtype",
+         lambda: jaxmp.dtype_headroom(jnp.ones(2), "not a dtype"), TypeError,
+         r"dtype_headroom: dtype must be a floating dtype .*got 'not a dtype' of type str",
          r"such as jnp\.float16 or jnp\.bfloat16"),
     Case("LossScaleMonitor: every 0", lambda: jaxmp.LossScaleMonitor(every=0), ValueError,
          r"got 0", r"every must be an integer >= 1"),

@@ -202,7 +202,7 @@ class HeadroomTest(chex.TestCase):
     self.assertEqual(float(headroom["underflow"]), 0.25)
 
   def test_bad_dtype(self):
-    with self.assertRaisesRegex(TypeError, "floating dtype"):
+    with self.assertRaisesRegex(ValueError, "floating dtype"):
       jaxmp.dtype_headroom(jnp.ones(2), jnp.int32)
     with self.assertRaisesRegex(TypeError, "floating dtype"):
       jaxmp.dtype_headroom(jnp.ones(2), "not a dtype")

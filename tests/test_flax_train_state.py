@@ -153,7 +153,7 @@ def test_value_and_grad_runs_under_policy_and_returns_scaled_grads():
     return jnp.mean(logits ** 2)
 
   value, grads = state.value_and_grad(loss)(state.params, x, y)
-  assert seen == {"params": {F16}, "x": F16, "y": np.dtype(jnp.int32), "logits": F16}
+  assert seen == {"params": {F16}, "x": F16, "y": np.dtype(jnp.int32), "logits": F32}  # apply_fn casts its outputs
   assert value.dtype == F32  # cast to the output dtype
 
   def manual(params):  # the same computation written out by hand

@@ -16,14 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src.policy import floating_dtype, is_floating_array
+
 _logger = logging.getLogger("jaxmp")
 
 
 def _is_inexact(x: Any) -> bool:
-  """Whether ``x`` is a floating or complex array or number."""
-  if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-    return jnp.issubdtype(x.dtype, jnp.inexact)
-  return isinstance(x, (float, complex))
+  """Whether ``x`` is a floating or complex array, or a Python float or complex."""
+  return is_floating_array(x, include_complex=True) or isinstance(x, (float, complex))
 
 
 def _float_leaves(tree: Any) -> list[jax.Array]:
@@ -234,20 +234,6 @@ def _thresholds(dtype: Any) -> tuple[float, float, float]:
   return largest + half_ulp_at_max, half_smallest, float(info.tiny) - half_smallest
 
 
-def _floating_dtype(dtype: Any, caller: str) -> np.dtype:
-  """``dtype`` as a floating NumPy dtype, or a TypeError naming ``caller``."""
-  try:
-    target = np.dtype(dtype)
-  except TypeError:
-    target = None
-  if target is None or not jnp.issubdtype(target, jnp.floating):
-    raise TypeError(
-        f"{caller}: dtype must be a floating dtype such as jnp.float16 "
-        f"or jnp.bfloat16, got {dtype!r}."
-    )
-  return target
-
-
 def dtype_headroom(tree: Any, dtype: Any) -> dict[str, jax.Array]:
   """Fractions of the values of ``tree`` that a cast to ``dtype`` would spoil.
 
@@ -270,7 +256,8 @@ def dtype_headroom(tree: Any, dtype: Any) -> dict[str, jax.Array]:
     * ``nonfinite``: values that already are inf or nan.
 
   Raises:
-    TypeError: if ``dtype`` is not a floating dtype.
+    ValueError: if ``dtype`` is a dtype but not a floating one (``jnp.int8``).
+    TypeError: if ``dtype`` is not a dtype at all.
 
   Example:
     >>> import jax.numpy as jnp, jaxmp
@@ -278,7 +265,7 @@ def dtype_headroom(tree: Any, dtype: Any) -> dict[str, jax.Array]:
     >>> {k: float(v) for k, v in jaxmp.dtype_headroom(x, jnp.float16).items()}
     {'overflow': 0.25, 'underflow': 0.25, 'subnormal': 0.25, 'nonfinite': 0.0}
   """
-  target = _floating_dtype(dtype, "dtype_headroom")
+  target = floating_dtype(dtype, "dtype_headroom")
   overflow_at, zero_at, normal_at = _thresholds(target)
   counts = {"overflow": 0, "underflow": 0, "subnormal": 0, "nonfinite": 0}
   size = 0
@@ -327,14 +314,15 @@ def suggest_loss_scale(grads: Any, dtype: Any = jnp.float16) -> jax.Array:
     A float32 scalar array.
 
   Raises:
-    TypeError: if ``dtype`` is not a floating dtype.
+    ValueError: if ``dtype`` is a dtype but not a floating one (``jnp.int8``).
+    TypeError: if ``dtype`` is not a dtype at all.
 
   Example:
     >>> import jax.numpy as jnp, jaxmp
     >>> float(jaxmp.suggest_loss_scale({"w": jnp.array([1e-3, -0.5])}))
     65536.0
   """
-  largest = float(jnp.finfo(_floating_dtype(dtype, "suggest_loss_scale")).max)
+  largest = float(jnp.finfo(floating_dtype(dtype, "suggest_loss_scale")).max)
   stats = grad_stats(grads)
   max_abs = stats["max_abs"].astype(jnp.float32)
   estimate = jnp.floor(np.float32(math.log2(largest)) - jnp.log2(max_abs))

@@ -9,31 +9,26 @@ policy, applied leaf by leaf.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 from typing import Any, Iterable, Mapping, TypeVar
 
 import jax
 
-from jaxmp._src.policy import Policy, get_policy
-from jaxmp._src.rules import (
-    check_pattern,
-    check_rules,
-    default_io_policy,
-    is_floating_array,
-    rules_need_loss_scaling,
-)
+from jaxmp._src.policy import Policy, apply_under_policy, is_floating_array
+from jaxmp._src.rules import RuleTable, check_pattern, rule_table
 
 T = TypeVar("T")
 
 
-def path_to_string(path: Iterable[Any]) -> str:
+def path_to_string(path: tuple[Any, ...]) -> str:
   """Returns the ``/``-separated string of a pytree key path.
 
-  Dict keys, sequence indices and attribute names become the parts of the
-  string. A trailing ``.value`` attribute (the array inside an NNX
-  ``Variable``) is left out, so that an NNX state's ``kernel`` leaf is
-  ``"Linear_0/kernel"`` as in Linen.
+  ``jax.tree_util.keystr(path, simple=True, separator="/")``, except that a
+  trailing ``.value`` attribute (the array inside an NNX ``Variable``) is left
+  out, so that an NNX state's ``kernel`` leaf is ``"Linear_0/kernel"`` as in
+  Linen.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -43,48 +38,32 @@ def path_to_string(path: Iterable[Any]) -> str:
     >>> path_to_string(path)
     'params/Dense_0/kernel'
   """
-  keys = list(path)
-  if keys and isinstance(keys[-1], jax.tree_util.GetAttrKey) and (
-      keys[-1].name == "value"
+  path = tuple(path)
+  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and (
+      path[-1].name == "value"
   ):
-    keys = keys[:-1]
-  parts = []
-  for key in keys:
-    if isinstance(key, jax.tree_util.DictKey):
-      parts.append(str(key.key))
-    elif isinstance(key, jax.tree_util.SequenceKey):
-      parts.append(str(key.idx))
-    elif isinstance(key, jax.tree_util.GetAttrKey):
-      parts.append(key.name)
-    elif isinstance(key, jax.tree_util.FlattenedIndexKey):
-      parts.append(str(key.key))
-    else:
-      parts.append(str(key))
-  return "/".join(parts)
+    path = path[:-1]
+  return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
-def _check_pattern(pattern: Any) -> None:
-  if not isinstance(pattern, str):
-    raise TypeError(
-        f"PathPolicy patterns must be regular-expression strings, got "
-        f"{pattern!r} of type {type(pattern).__name__}."
-    )
-  check_pattern("PathPolicy", pattern)
+_check_pattern = functools.partial(check_pattern, "PathPolicy")
 
 
 @dataclasses.dataclass(frozen=True, init=False)
 class PathPolicy:
   """Policies chosen per leaf by regular expressions on the leaf's path.
 
-  A leaf's path is its pytree key path joined with ``/``, e.g.
+  A leaf's path is its pytree key path joined with ``/``
+  (``jax.tree_util.keystr(path, simple=True, separator="/")``), e.g.
   ``"params/Dense_0/kernel"`` for Linen variables or ``"Linear_0/kernel"``
-  for an NNX state (see :func:`path_to_string`). Each pattern is matched with
-  :func:`re.search`, so ``"LayerNorm"`` matches any path that contains it;
-  anchor it (``"^params/head/"``, ``"bias$"``) to be precise.
+  for an NNX state (an NNX ``Variable``'s trailing ``.value`` is not part of
+  the path). Each pattern is matched with :func:`re.search`, so
+  ``"LayerNorm"`` matches any path that contains it; anchor it
+  (``"^params/head/"``, ``"bias$"``) to be precise.
 
   * **Unmatched paths** get ``default`` (``float32`` unless you say
     otherwise). With ``default=None`` an unmatched floating leaf raises
-    ``ValueError``, listing its path and the patterns.
+    ``ValueError``, naming its path and the rules.
   * **Overlapping patterns**: when more than one pattern matches the same path
     the choice is ambiguous and raises ``ValueError`` naming the path and the
     patterns, unless ``first_match=True``, in which case the rules are tried in
@@ -110,7 +89,8 @@ class PathPolicy:
   Raises:
     ValueError: for an invalid regular expression, a pattern given twice, or a
       policy ``get_policy`` does not understand.
-    TypeError: if a pattern is not a string.
+    TypeError: if a pattern is not a string, or ``rules`` is not a mapping or
+      a sequence of pairs.
 
   Example:
     >>> import jax.numpy as jnp, jaxmp
@@ -123,9 +103,7 @@ class PathPolicy:
     (dtype(bfloat16), dtype('float32'))
   """
 
-  rules: tuple[tuple[str, Policy], ...]
-  default: Policy | None
-  first_match: bool
+  table: RuleTable
 
   def __init__(
       self,
@@ -134,15 +112,25 @@ class PathPolicy:
       *,
       first_match: bool = False,
   ):
-    object.__setattr__(self, "rules", check_rules(
-        "PathPolicy", rules, _check_pattern, key_word="pattern",
-        key_description="pattern"))
-    object.__setattr__(
-        self, "default", None if default is None else get_policy(default)
-    )
-    if not isinstance(first_match, bool):
-      raise TypeError(f"PathPolicy: first_match must be a bool, got {first_match!r}.")
-    object.__setattr__(self, "first_match", first_match)
+    object.__setattr__(self, "table", rule_table(
+        "PathPolicy", rules, default, first_match, check_key=_check_pattern,
+        key_description="pattern",
+        exclusive_hint=" (anchor the patterns with ^ and $)"))
+
+  @property
+  def rules(self) -> tuple[tuple[str, Policy], ...]:
+    """The ``(pattern, Policy)`` rules, in the order given."""
+    return self.table.rules
+
+  @property
+  def default(self) -> Policy | None:
+    """The policy of the paths no pattern matches (or ``None``)."""
+    return self.table.default
+
+  @property
+  def first_match(self) -> bool:
+    """Whether overlaps resolve by the order of the rules."""
+    return self.table.first_match
 
   def policy_for(self, path: str) -> Policy:
     """Returns the policy of the leaf at ``path`` (a ``/``-separated string).
@@ -160,25 +148,11 @@ class PathPolicy:
       >>> policy.policy_for("params/head/bias")
       Traceback (most recent call last):
       ...
-      ValueError: PathPolicy: the path 'params/head/bias' matches several patterns: 'bias$', 'head'. Make the patterns exclusive (anchor them with ^ and $), or pass first_match=True to let the first matching rule win.
+      ValueError: PathPolicy: the path 'params/head/bias' matches several rules: 'bias$', 'head'. Make the rules exclusive (anchor the patterns with ^ and $), or pass first_match=True to let the first matching rule (in the order given) win.
     """
-    matches = [(p, pol) for p, pol in self.rules if re.search(p, path)]
-    if not matches:
-      if self.default is None:
-        raise ValueError(
-            f"PathPolicy: no pattern matches the path {path!r} and there is no "
-            f"default policy. Patterns: {', '.join(repr(p) for p, _ in self.rules)}"
-            ". Add a pattern for it or pass default=... (e.g. 'float32')."
-        )
-      return self.default
-    if len(matches) > 1 and not self.first_match:
-      raise ValueError(
-          f"PathPolicy: the path {path!r} matches several patterns: "
-          f"{', '.join(repr(p) for p, _ in matches)}. Make the patterns "
-          "exclusive (anchor them with ^ and $), or pass first_match=True to "
-          "let the first matching rule win."
-      )
-    return matches[0][1]
+    return self.table.policy_for(
+        f"the path {path!r}", lambda pattern: re.search(pattern, path) is not None
+    )
 
   def policies(self, tree: Any) -> Any:
     """Returns a pytree like ``tree`` with each floating leaf's :class:`Policy`.
@@ -198,9 +172,9 @@ class PathPolicy:
 
     Example:
       >>> import jax.numpy as jnp, jaxmp
-      >>> policy = jaxmp.PathPolicy({"^head/": "float32"}, default="bf16")
+      >>> policy = jaxmp.PathPolicy({"^head/": "float32"}, default="mixed_float16")
       >>> policy.describe({"head": {"w": jnp.ones(1)}, "body": {"w": jnp.ones(1)}})
-      {'body/w': 'p=bf16,c=bf16,o=bf16', 'head/w': 'p=f32,c=f32,o=f32'}
+      {'body/w': 'p=f32,c=f16,o=f32', 'head/w': 'p=f32,c=f32,o=f32'}
     """
     described = {}
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -209,26 +183,29 @@ class PathPolicy:
         described[name] = str(self.policy_for(name))
     return described
 
-  def _cast(self, tree: T, field: str) -> T:
+  def _cast(self, tree: T, cast: Callable[[Policy, Any], Any]) -> T:
     def one(path, x):
       if not is_floating_array(x):
         return x
-      policy = self.policy_for(path_to_string(path))
-      return x.astype(getattr(policy, field))
+      return cast(self.policy_for(path_to_string(path)), x)
 
     return jax.tree_util.tree_map_with_path(one, tree)
 
   def cast_to_param(self, tree: T) -> T:
-    """Casts each floating leaf to its policy's ``param_dtype``."""
-    return self._cast(tree, "param_dtype")
+    """Casts each floating leaf to its policy's ``param_dtype``.
+
+    A 16-bit ``param_dtype`` warns once per policy, as
+    :meth:`jaxmp.Policy.cast_to_param` does.
+    """
+    return self._cast(tree, Policy.cast_to_param)
 
   def cast_to_compute(self, tree: T) -> T:
     """Casts each floating leaf to its policy's ``compute_dtype``."""
-    return self._cast(tree, "compute_dtype")
+    return self._cast(tree, Policy.cast_to_compute)
 
   def cast_to_output(self, tree: T) -> T:
     """Casts each floating leaf to its policy's ``output_dtype``."""
-    return self._cast(tree, "output_dtype")
+    return self._cast(tree, Policy.cast_to_output)
 
   @property
   def io_policy(self) -> Policy:
@@ -237,7 +214,7 @@ class PathPolicy:
     Raises:
       ValueError: if there is no default.
     """
-    return default_io_policy(self)
+    return self.table.io_policy
 
   def params_for_storage(self, params: Any) -> Any:
     """Casts each param to its policy's ``param_dtype``."""
@@ -248,14 +225,42 @@ class PathPolicy:
     return self.cast_to_compute(params)
 
   def wrap_apply(self, apply_fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Returns ``apply_fn`` unchanged; the casts are made around the call."""
-    return apply_fn
+    """Returns ``apply_fn`` (e.g. a Linen ``model.apply``) running under the policy.
+
+    As :meth:`jaxmp.Policy.wrap_apply`, with ``variables["params"]`` cast path
+    by path (the paths are those inside the ``params`` collection,
+    ``"Dense_0/kernel"``, as in :meth:`jaxmp.flax.TrainState.value_and_grad`)
+    and the inputs and outputs cast with ``default``.
+
+    Args:
+      apply_fn: a function of ``(variables, *args, **kwargs)``.
+
+    Returns:
+      The wrapped function.
+
+    Raises:
+      ValueError: if there is no default.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxmp
+      >>> import flax.linen as nn
+      >>> model = nn.Sequential([nn.Dense(2), nn.Dense(2)])
+      >>> x = jnp.ones((1, 3))
+      >>> variables = model.init(jax.random.key(0), x)
+      >>> policy = jaxmp.PathPolicy({"^layers_1/": "float32"}, default="mixed_bfloat16")
+      >>> jaxpr = jax.make_jaxpr(policy.wrap_apply(model.apply))(variables, x)
+      >>> [tuple(str(v.aval.dtype) for v in e.invars)
+      ...  for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+      [('bfloat16', 'bfloat16'), ('float32', 'float32')]
+    """
+    return apply_under_policy(self, apply_fn)
 
   @property
   def needs_loss_scaling(self) -> bool:
     """True when any of the policies (default included) needs loss scaling."""
-    return rules_need_loss_scaling(self.rules, self.default)
+    return self.table.needs_loss_scaling
 
   def __str__(self) -> str:
-    rules = ", ".join(f"{p!r}: {pol}" for p, pol in self.rules)
-    return f"PathPolicy({{{rules}}}, default={self.default})"
+    return f"PathPolicy({self.table})"
+
+  __repr__ = __str__

@@ -8,7 +8,11 @@ string grammar (``"p=f32,c=bf16,o=f32"``), a few presets and plain dtype names.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import difflib
+import functools
+import sys
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import jax
@@ -19,7 +23,28 @@ from jaxmp._src.hardware import recommended_preset
 
 T = TypeVar("T")
 
-# Canonical short name of each supported dtype, used by ``str(policy)``.
+_DTYPE_NAMES = {
+    "f32": jnp.float32,
+    "float32": jnp.float32,
+    "fp32": jnp.float32,
+    "full": jnp.float32,
+    "bf16": jnp.bfloat16,
+    "bfloat16": jnp.bfloat16,
+    "f16": jnp.float16,
+    "float16": jnp.float16,
+    "fp16": jnp.float16,
+    "f64": jnp.float64,
+    "float64": jnp.float64,
+    "fp64": jnp.float64,
+    "float8_e4m3fn": jnp.float8_e4m3fn,
+    "f8e4m3": jnp.float8_e4m3fn,
+    "float8_e5m2": jnp.float8_e5m2,
+    "f8e5m2": jnp.float8_e5m2,
+}
+# "half" is resolved at call time, since it depends on the platform.
+VALID_DTYPE_NAMES = tuple(sorted([*_DTYPE_NAMES, "half"]))
+
+# Canonical short name of each named dtype, used by ``str(policy)``.
 _SHORT_NAMES = {
     np.dtype(jnp.float32): "f32",
     np.dtype(jnp.bfloat16): "bf16",
@@ -28,24 +53,6 @@ _SHORT_NAMES = {
     np.dtype(jnp.float8_e4m3fn): "f8e4m3",
     np.dtype(jnp.float8_e5m2): "f8e5m2",
 }
-
-_DTYPE_NAMES = {
-    "f32": jnp.float32,
-    "float32": jnp.float32,
-    "full": jnp.float32,
-    "bf16": jnp.bfloat16,
-    "bfloat16": jnp.bfloat16,
-    "f16": jnp.float16,
-    "float16": jnp.float16,
-    "f64": jnp.float64,
-    "float64": jnp.float64,
-    "float8_e4m3fn": jnp.float8_e4m3fn,
-    "f8e4m3": jnp.float8_e4m3fn,
-    "float8_e5m2": jnp.float8_e5m2,
-    "f8e5m2": jnp.float8_e5m2,
-}
-# "half" is resolved at call time, since it depends on the platform.
-VALID_DTYPE_NAMES = tuple(sorted([*_DTYPE_NAMES, "half"]))
 
 _KEYS = {
     "p": "param_dtype",
@@ -63,6 +70,13 @@ PRESETS = {
     "float32": "p=f32,c=f32,o=f32",
 }
 VALID_PRESETS = (*PRESETS, "auto")
+
+_DTYPE_HELP = f"Valid dtype names are: {', '.join(VALID_DTYPE_NAMES)}."
+# Appended to every error about a policy string: what each part may be.
+_GRAMMAR_HELP = (
+    f"Valid keys are {', '.join(VALID_KEYS)}. {_DTYPE_HELP} Presets are "
+    f"{', '.join(VALID_PRESETS)}. E.g. 'p=f32,c=bf16,o=f32'."
+)
 
 
 def half_dtype() -> Any:
@@ -83,40 +97,90 @@ def half_dtype() -> Any:
   return jnp.bfloat16 if platform == "tpu" else jnp.float16
 
 
-def parse_dtype(name: Any) -> np.dtype:
-  """Returns the floating dtype named by ``name`` (a name, a dtype or a type).
+def _did_you_mean(word: str, candidates: Any) -> str:
+  close = difflib.get_close_matches(word, list(candidates), n=1)
+  return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _unknown_dtype(name: str, candidates: Any, help_text: str) -> str:
+  """The message for an unknown dtype name: the name, a guess, what is valid."""
+  hint = ""
+  if ";" in name or "," in name:
+    hint = " Separate the parts of a policy with ',' as in 'p=f32,c=bf16,o=f32'."
+  return (f"Unknown dtype {name!r}.{_did_you_mean(name, candidates)} "
+          f"{help_text}{hint}")
+
+
+def is_floating_array(x: Any, *, include_complex: bool = False) -> bool:
+  """True for a JAX or NumPy array (or NumPy scalar) of a floating dtype.
+
+  The one test of the package for "is this a floating leaf": policies cast
+  such leaves, the diagnostics inspect them (complex ones too, with
+  ``include_complex=True``). Python numbers, integer and boolean arrays are
+  not floating arrays.
+  """
+  if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+    return False
+  kind = jnp.inexact if include_complex else jnp.floating
+  return bool(jnp.issubdtype(x.dtype, kind))
+
+
+def floating_dtype(dtype: Any, owner: str, name: str = "dtype", *,
+                   hint: str = "") -> np.dtype:
+  """Returns ``dtype`` (a dtype or a scalar type) as a floating NumPy dtype.
+
+  The one check of the package for a dtype argument that must be floating
+  (policies and the diagnostics alike).
+
+  Raises:
+    TypeError: if ``dtype`` is not a dtype at all (``None``, a number ...).
+    ValueError: if it is a dtype but not a floating one (``jnp.int8``).
+  """
+  expected = f"{owner}: {name} must be a floating dtype such as jnp.float16 or jnp.bfloat16"
+  tail = f" {hint}" if hint else ""
+  try:
+    if dtype is None:  # np.dtype(None) would be float64
+      raise TypeError
+    target = np.dtype(dtype)
+  except TypeError:
+    raise TypeError(
+        f"{expected}, got {dtype!r} of type {type(dtype).__name__}.{tail}"
+    ) from None
+  if not jnp.issubdtype(target, jnp.floating):
+    raise ValueError(f"{expected}, got {target.name}.{tail}")
+  return target
+
+
+def scalar_type(dtype: Any) -> Any:
+  """The JAX scalar type of a dtype (``jnp.float16`` for ``np.dtype("float16")``).
+
+  jmp's policies hold these types, so policies do too: they compare equal to
+  NumPy dtypes, hash like NumPy's scalar types, and can be called
+  (``policy.compute_dtype(1.0)``).
+  """
+  dtype = np.dtype(dtype)
+  return getattr(jnp, dtype.name, dtype.type)
+
+
+def parse_dtype(name: Any, owner: str = "Policy", field: str = "dtype") -> Any:
+  """Returns the floating dtype named by ``name`` as a JAX scalar type.
+
+  ``name`` is a dtype name (``"bf16"``, ``"fp16"``, ``"half"``), a dtype or a
+  scalar type (``jnp.bfloat16``, ``np.float16``).
 
   Raises:
     ValueError: if ``name`` is not a known floating dtype; the message lists
       the valid names.
+    TypeError: if ``name`` is neither a name nor a dtype.
   """
   if isinstance(name, str):
     key = name.strip()
     if key == "half":
-      return np.dtype(half_dtype())
+      return half_dtype()
     if key not in _DTYPE_NAMES:
-      hint = ""
-      if ";" in key or "," in key:
-        hint = " Separate the parts of a policy with ',' as in 'p=f32,c=bf16,o=f32'."
-      raise ValueError(
-          f"Unknown dtype {name!r}. Valid dtype names are: "
-          f"{', '.join(VALID_DTYPE_NAMES)}.{hint}"
-      )
-    return np.dtype(_DTYPE_NAMES[key])
-  try:
-    dtype = np.dtype(name)
-  except TypeError:
-    raise TypeError(
-        f"Expected a dtype or a dtype name, got {name!r} of type "
-        f"{type(name).__name__}. Valid dtype names are: "
-        f"{', '.join(VALID_DTYPE_NAMES)}."
-    ) from None
-  if not jnp.issubdtype(dtype, jnp.floating):
-    raise ValueError(
-        f"A policy dtype must be floating, got {dtype}. Valid dtype names "
-        f"are: {', '.join(VALID_DTYPE_NAMES)}."
-    )
-  return dtype
+      raise ValueError(_unknown_dtype(key, VALID_DTYPE_NAMES, _DTYPE_HELP))
+    return _DTYPE_NAMES[key]
+  return scalar_type(floating_dtype(name, owner, field, hint=_DTYPE_HELP))
 
 
 def short_name(dtype: Any) -> str:
@@ -128,18 +192,52 @@ def short_name(dtype: Any) -> str:
 def cast_floating(tree: T, dtype: Any) -> T:
   """Casts every floating array leaf (JAX or NumPy) of ``tree`` to ``dtype``.
 
-  Integer, boolean and non-array leaves are returned unchanged.
+  Integer, boolean, complex and non-array leaves are returned unchanged.
   """
   dtype = np.dtype(dtype)
+  return jax.tree_util.tree_map(
+      lambda x: x.astype(dtype) if is_floating_array(x) else x, tree
+  )
 
-  def cast(x):
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
-        x.dtype, jnp.floating
-    ):
-      return x.astype(dtype)
-    return x
 
-  return jax.tree_util.tree_map(cast, tree)
+# The policies whose 16-bit param dtype was already warned about.
+_WARNED_PARAM_DTYPE: set[tuple[Any, Any, Any]] = set()
+
+
+# Frames of these packages are skipped when a warning looks for the user's line.
+_LIBRARY_PREFIXES = ("jaxmp.", "jax.", "flax.", "optax.")
+
+
+def _caller_stacklevel() -> int:
+  """The ``stacklevel`` of the first frame outside jaxmp, JAX, Flax and optax."""
+  frame, level = sys._getframe(1), 1  # pylint: disable=protected-access
+  while frame is not None and (
+      frame.f_globals.get("__name__", "") + ".").startswith(_LIBRARY_PREFIXES):
+    frame, level = frame.f_back, level + 1
+  return level
+
+
+def _warn_narrow_params(policy: "Policy") -> None:
+  """Warns, once per policy and process, that its params are 16-bit or less."""
+  dtype = np.dtype(policy.param_dtype)
+  key = (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
+  if dtype.itemsize >= 4 or key in _WARNED_PARAM_DTYPE:
+    return
+  _WARNED_PARAM_DTYPE.add(key)
+  mixed = {np.dtype(jnp.bfloat16): "mixed_bfloat16", np.dtype(jnp.float16): "mixed_float16"}
+  suggestion = mixed.get(np.dtype(policy.compute_dtype), "mixed_bfloat16")
+  smallest = float(jnp.finfo(dtype).eps) / 2
+  warnings.warn(
+      f"jaxmp: the policy {policy} keeps the parameters (the master copy the "
+      f"optimizer updates) in {dtype.name}: an update smaller than {smallest:g} "
+      "of a weight is rounded away, so training can stall. Mixed precision "
+      "keeps float32 master params and computes in 16 bits (DeepSpeed's "
+      f"\"bf16\" and \"fp16\" modes mean that): you probably want "
+      f"{suggestion!r}. If 16-bit params are what you want, silence this "
+      "with warnings.filterwarnings('ignore', message='jaxmp: the policy').",
+      UserWarning,
+      stacklevel=_caller_stacklevel(),
+  )
 
 
 @runtime_checkable
@@ -175,37 +273,128 @@ class PolicyLike(Protocol):
     ...
 
 
+def returns_collections(apply_kwargs: Mapping[str, Any]) -> bool:
+  """Whether a Linen ``apply`` called with ``apply_kwargs`` returns a pair.
+
+  ``model.apply(..., mutable=...)`` (anything but ``False``) and
+  ``capture_intermediates=...`` return ``(output, updated_collections)``.
+  """
+  return apply_kwargs.get("mutable", False) is not False or bool(
+      apply_kwargs.get("capture_intermediates", False)
+  )
+
+
+def cast_apply_output(io_policy: "Policy", result: Any,
+                      apply_kwargs: Mapping[str, Any]) -> Any:
+  """Casts what a Linen ``apply`` returned to ``io_policy``'s output dtype.
+
+  With ``mutable=...`` (or ``capture_intermediates``) only the output is
+  cast; the updated collections (``batch_stats`` ...) keep their own dtype.
+  """
+  if returns_collections(apply_kwargs):
+    out, collections = result
+    return io_policy.cast_to_output(out), collections
+  return io_policy.cast_to_output(result)
+
+
+class WrappedApply:
+  """What ``wrap_apply`` returns: ``run(policy, apply_fn, *args, **kwargs)``.
+
+  It has ``apply_fn``'s name and docstring, and compares (and hashes) equal
+  to another made from an equal policy and an equal ``apply_fn``, as bound
+  methods such as ``model.apply`` do: as a static argument of ``jax.jit`` it
+  does not recompile for each ``wrap_apply`` call.
+  """
+
+  def __init__(self, run: Callable[..., Any], policy: Any, apply_fn: Callable[..., Any]):
+    self._run, self.policy, self.apply_fn = run, policy, apply_fn
+    functools.update_wrapper(self, apply_fn, updated=())
+
+  def __call__(self, *args, **kwargs):
+    return self._run(self.policy, self.apply_fn, *args, **kwargs)
+
+  def _key(self) -> tuple[Any, ...]:
+    return (self._run, self.policy, self.apply_fn)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, WrappedApply) and self._key() == other._key()
+
+  def __hash__(self) -> int:
+    return hash(self._key())
+
+
+def _apply_under(policy: PolicyLike, apply_fn: Callable[..., Any], variables: Any,
+                 *args, **kwargs) -> Any:
+  """``apply_fn(variables, *args, **kwargs)`` run under ``policy``.
+
+  Shared by :meth:`Policy.wrap_apply` and :meth:`jaxmp.PathPolicy.wrap_apply`:
+  ``variables["params"]`` is cast with ``policy.params_for_compute``, the
+  floating inputs to the compute dtype and the output to the output dtype of
+  ``policy.io_policy``.
+  """
+  io_policy = policy.io_policy
+  if isinstance(variables, Mapping) and "params" in variables:
+    variables = {**variables, "params": policy.params_for_compute(variables["params"])}
+  args, kwargs = io_policy.cast_to_compute((args, kwargs))
+  return cast_apply_output(io_policy, apply_fn(variables, *args, **kwargs), kwargs)
+
+
+def apply_under_policy(policy: PolicyLike, apply_fn: Callable[..., Any]) -> WrappedApply:
+  """``apply_fn`` running under ``policy`` (see :meth:`Policy.wrap_apply`).
+
+  Raises:
+    ValueError: if ``policy`` has no policy for inputs and outputs.
+  """
+  _ = policy.io_policy  # raises now, not at the first call, without one
+  return WrappedApply(_apply_under, policy, apply_fn)
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
   """The dtypes of parameters, computation and outputs.
 
   Frozen and hashable, so it can be a static argument of :func:`jax.jit`.
-  Each dtype may be given as a dtype or a name (``"bf16"``, ``"float32"``).
+  Each dtype may be given as a dtype, a scalar type or a name (``"bf16"``,
+  ``"float32"``); it is stored as the JAX scalar type (``jnp.bfloat16``), as
+  in jmp, which compares equal to the NumPy dtype and can be called
+  (``policy.compute_dtype(1.0)``).
 
   Attributes:
     param_dtype: the dtype parameters are stored in (the master copy).
     compute_dtype: the dtype the forward and backward passes run in.
     output_dtype: the dtype outputs (e.g. logits before the loss) are cast to.
 
+  Raises:
+    ValueError: for an unknown dtype name or a non-floating dtype.
+    TypeError: for something that is neither a dtype nor a name.
+
   Example:
     >>> import jax.numpy as jnp, jaxmp
-    >>> policy = jaxmp.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
-    >>> str(policy)
-    'p=f32,c=bf16,o=f32'
+    >>> policy = jaxmp.Policy(jnp.float32, "bf16", jnp.float32)
+    >>> str(policy), policy.compute_dtype is jnp.bfloat16
+    ('p=f32,c=bf16,o=f32', True)
     >>> policy.cast_to_compute({"w": jnp.ones(2), "step": 3})["w"].dtype
     dtype(bfloat16)
   """
 
-  param_dtype: np.dtype
-  compute_dtype: np.dtype
-  output_dtype: np.dtype
+  param_dtype: Any
+  compute_dtype: Any
+  output_dtype: Any
 
   def __post_init__(self):
     for field in ("param_dtype", "compute_dtype", "output_dtype"):
-      object.__setattr__(self, field, parse_dtype(getattr(self, field)))
+      object.__setattr__(
+          self, field, parse_dtype(getattr(self, field), "Policy", field)
+      )
 
   def cast_to_param(self, tree: T) -> T:
-    """Casts the floating leaves of ``tree`` to ``param_dtype``."""
+    """Casts the floating leaves of ``tree`` to ``param_dtype``.
+
+    When ``param_dtype`` is 16-bit (or narrower) this warns once per policy
+    (a ``UserWarning``): small updates of 16-bit master params are rounded
+    away; you probably want ``"mixed_bfloat16"``.
+    """
+    _warn_narrow_params(self)
     return cast_floating(tree, self.param_dtype)
 
   def cast_to_compute(self, tree: T) -> T:
@@ -242,15 +431,51 @@ class Policy:
     return self.cast_to_compute(params)
 
   def wrap_apply(self, apply_fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Returns ``apply_fn`` unchanged; the casts are made around the call."""
-    return apply_fn
+    """Returns ``apply_fn`` (e.g. a Linen ``model.apply``) running under the policy.
+
+    The returned function has the signature of ``apply_fn``,
+    ``(variables, *args, **kwargs)``. It casts ``variables["params"]`` to the
+    compute dtype (other collections, such as ``batch_stats``, are passed as
+    they are), the floating positional and keyword inputs to the compute dtype
+    (integer inputs such as token ids are unchanged), and the output to the
+    output dtype. With ``mutable=[...]``, where ``apply`` returns
+    ``(output, updated_collections)``, only the output is cast. So a loss
+    function that closes over a float32 batch, and an eval step, both compute
+    in the compute dtype. :class:`jaxmp.flax.TrainState` wraps its
+    ``apply_fn`` with this.
+
+    The model's own ``dtype=`` declarations still win inside the model: a
+    Flax layer built with ``dtype=jnp.float32`` computes in float32. See
+    :class:`jaxmp.flax.ModulePolicy` (``override_dtype=True``) to override
+    them without editing the model.
+
+    Args:
+      apply_fn: a function of ``(variables, *args, **kwargs)``.
+
+    Returns:
+      The wrapped function.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxmp
+      >>> import flax.linen as nn
+      >>> model = nn.Dense(2)
+      >>> x = jnp.ones((1, 3))
+      >>> variables = model.init(jax.random.key(0), x)
+      >>> apply = jaxmp.get_policy("mixed_bfloat16").wrap_apply(model.apply)
+      >>> jaxpr = jax.make_jaxpr(apply)(variables, x)
+      >>> [tuple(str(v.aval.dtype) for v in e.invars)
+      ...  for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+      [('bfloat16', 'bfloat16')]
+      >>> apply(variables, x).dtype  # the output dtype
+      dtype('float32')
+    """
+    return apply_under_policy(self, apply_fn)
 
   @property
   def needs_loss_scaling(self) -> bool:
     """True when the compute dtype is float16 or a float8 type."""
-    return self.compute_dtype == np.dtype(jnp.float16) or (
-        self.compute_dtype.itemsize == 1
-    )
+    compute = np.dtype(self.compute_dtype)
+    return compute == np.dtype(jnp.float16) or compute.itemsize == 1
 
   def __str__(self) -> str:
     return "p={},c={},o={}".format(
@@ -269,8 +494,12 @@ def get_policy(spec: Any) -> Policy:
       * jmp's grammar: ``"p=f32,c=bf16,o=f32"`` or
         ``"params=float32,compute=bfloat16,output=float32"``. Unspecified
         params default to float32, compute follows params and output follows
-        compute. Spaces around ``,`` and ``=`` are accepted.
-      * a single dtype name (``"bf16"``, ``"half"``, ``"full"``) for all three.
+        compute. Spaces around ``,`` and ``=`` are accepted; each key may be
+        given once.
+      * a single dtype name (``"bf16"``, ``"fp16"``, ``"half"``, ``"full"``)
+        for all three. Note that ``"bf16"`` and ``"fp16"`` keep the params in
+        16 bits too (this warns once when the params are cast): mixed
+        precision is ``"mixed_bfloat16"`` / ``"mixed_float16"``.
       * a preset: ``"mixed_bfloat16"``, ``"mixed_float16"``, ``"float32"`` or
         ``"auto"`` (:func:`jaxmp.auto_policy`).
 
@@ -278,8 +507,8 @@ def get_policy(spec: Any) -> Policy:
     The policy.
 
   Raises:
-    ValueError: naming the offending part and listing the valid keys, presets
-      and dtype names.
+    ValueError: naming the offending part and listing the valid keys, dtype
+      names and presets.
     TypeError: if ``spec`` is neither a policy nor a string.
 
   Example:
@@ -301,55 +530,54 @@ def get_policy(spec: Any) -> Policy:
     )
   text = spec.strip()
   if not text:
-    raise ValueError(
-        "Empty policy string. Use a preset (" + ", ".join(VALID_PRESETS) +
-        "), a dtype name, or 'p=f32,c=bf16,o=f32'."
-    )
+    raise ValueError(f"Empty policy string. {_GRAMMAR_HELP}")
   if text == "auto":
     return auto_policy()
   if text in PRESETS:
     text = PRESETS[text]
   if "=" not in text:
-    try:
-      dtype = parse_dtype(text)
-    except ValueError:
+    if text not in _DTYPE_NAMES and text != "half":
       raise ValueError(
-          f"Unknown policy {spec!r}. Use a preset ({', '.join(VALID_PRESETS)}),"
-          f" a dtype name ({', '.join(VALID_DTYPE_NAMES)}), or key=dtype pairs "
-          f"with keys {', '.join(VALID_KEYS)}, e.g. 'p=f32,c=bf16,o=f32'."
-      ) from None
+          f"Unknown policy {spec!r}: not a preset. " + _unknown_dtype(
+              text, [*VALID_PRESETS, *VALID_DTYPE_NAMES], _GRAMMAR_HELP)
+      )
+    dtype = parse_dtype(text)
     return Policy(dtype, dtype, dtype)
 
-  values: dict[str, np.dtype] = {}
+  values: dict[str, Any] = {}
   for part in text.split(","):
     part = part.strip()
     if "=" not in part:
       raise ValueError(
           f"Policy part {part!r} of {spec!r} is not of the form key=dtype. "
-          f"Valid keys are {', '.join(VALID_KEYS)}; e.g. 'p=f32,c=bf16,o=f32'."
+          f"{_GRAMMAR_HELP}"
       )
     key, value = (s.strip() for s in part.split("=", 1))
     if key not in _KEYS:
       raise ValueError(
-          f"Unknown key {key!r} in policy {spec!r}. Valid keys are "
-          f"{', '.join(VALID_KEYS)}."
+          f"Unknown key {key!r} in policy {spec!r}."
+          f"{_did_you_mean(key, VALID_KEYS)} {_GRAMMAR_HELP}"
       )
     field = _KEYS[key]
     if field in values:
+      method = "with_" + field
       raise ValueError(
           f"Key {key!r} in policy {spec!r} sets {field} a second time; give "
-          "each of params, compute and output at most once."
+          "each of params, compute and output at most once (jmp would keep "
+          f"the last one silently). To change one dtype of a policy, use "
+          f"policy.{method}(...)."
       )
     if not value:
       raise ValueError(
-          f"Missing dtype after {key}= in policy {spec!r}. Valid dtype names "
-          f"are: {', '.join(VALID_DTYPE_NAMES)}."
+          f"Missing dtype after {key}= in policy {spec!r}. {_GRAMMAR_HELP}"
       )
-    try:
-      values[field] = parse_dtype(value)
-    except ValueError as e:
-      raise ValueError(f"In policy {spec!r}, key {key!r}: {e}") from None
-  param = values.get("param_dtype", np.dtype(jnp.float32))
+    if value not in _DTYPE_NAMES and value != "half":
+      raise ValueError(
+          f"In policy {spec!r}, key {key!r}: "
+          + _unknown_dtype(value, VALID_DTYPE_NAMES, _GRAMMAR_HELP)
+      )
+    values[field] = parse_dtype(value)
+  param = values.get("param_dtype", jnp.float32)
   compute = values.get("compute_dtype", param)
   output = values.get("output_dtype", compute)
   return Policy(param, compute, output)

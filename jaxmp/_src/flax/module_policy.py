@@ -12,23 +12,22 @@ applied to a Linen model's ``apply`` with :meth:`ModulePolicy.wrap_apply` (an
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 import threading
 from typing import Any, Callable, Iterable, Mapping
 
 import jax
+import numpy as np
 from flax import struct
 from flax.core import meta
 
-from jaxmp._src.policy import Policy, get_policy
-from jaxmp._src.rules import (
-  check_pattern,
-  check_rules,
-  default_io_policy,
-  is_floating_array,
-  rules_need_loss_scaling,
+from jaxmp._src.policy import (
+    Policy,
+    WrappedApply,
+    cast_apply_output,
+    is_floating_array,
 )
+from jaxmp._src.rules import RuleTable, check_pattern, rule_table
 
 # The policies of the Linen module methods now running, innermost last.
 _ACTIVE = threading.local()
@@ -98,6 +97,39 @@ def _key_repr(key: Any) -> str:
   return repr(key)
 
 
+def _has_dtype_field(cls: type) -> bool:
+  """Whether a (Linen, dataclass) module class declares a ``dtype`` field."""
+  return "dtype" in getattr(cls, "__dataclass_fields__", {})
+
+
+def _check_override_dtype(value: Any) -> bool | tuple[type, ...]:
+  """``override_dtype`` as ``True``, ``False`` or a tuple of module classes."""
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  classes = (value,) if isinstance(value, type) else value
+  if not (isinstance(classes, (tuple, list)) and classes
+          and all(isinstance(c, type) for c in classes)):
+    raise TypeError(
+        "ModulePolicy: override_dtype must be True (every module that has a "
+        "dtype attribute), False, or a tuple of module classes such as "
+        f"(nn.Dense, nn.Conv); got {value!r}."
+    )
+  for cls in classes:
+    if not _has_dtype_field(cls):
+      raise ValueError(
+          f"ModulePolicy: override_dtype names {_key_repr(cls)}, which has no "
+          "dtype attribute, so there is nothing to override. Name the Linen "
+          "layers that take dtype= (e.g. nn.Dense, nn.Conv, or your model class "
+          "if it declares dtype); for NNX models, set_nnx_dtypes sets every "
+          "layer's dtype without it."
+      )
+  return tuple(classes)
+
+
+def _module_subject(module: Any, path: str) -> str:
+  return f"the module {type(module).__name__} at path {path or '(root)'!r}"
+
+
 @dataclasses.dataclass(frozen=True, init=False)
 class ModulePolicy:
   """Policies for chosen modules of a Flax model; the rest use a default.
@@ -124,15 +156,27 @@ class ModulePolicy:
   as it is read, so a float32 module sees the float32 values, not a bfloat16
   round trip). The outputs of a module matched by a rule, and those of the
   outermost module, are cast to that policy's output dtype; the outputs of the
-  other modules stay in their compute dtype. Flax layers with ``dtype=None``
-  (the default) then compute in the dtype of what they receive.
+  other modules stay in their compute dtype, and what the wrapped ``apply``
+  returns is cast to ``default``'s output dtype. Flax layers with
+  ``dtype=None`` (the default) then compute in the dtype of what they
+  receive.
+
+  **A model's own** ``dtype``: a layer built with ``dtype=jnp.float32`` (as
+  most published Flax models do: ``dtype: Any = jnp.float32`` passed to every
+  layer) computes in float32 whatever it receives. ``override_dtype=True``
+  makes the policy win: while a module that has a ``dtype`` attribute runs,
+  its ``dtype`` is its policy's compute dtype (``param_dtype`` is left alone,
+  so the master params stay as they are stored). A tuple of classes limits
+  the override to their instances. ``ModulePolicy({}, default="mixed_float16",
+  override_dtype=True)`` is then "mixed_float16 for the whole model".
 
   **NNX** (:meth:`set_nnx_dtypes`): each module that has a ``dtype`` attribute
   (``nnx.Linear``, ``nnx.Conv``, ``nnx.LayerNorm``, ``nnx.BatchNorm``,
   ``nnx.MultiHeadAttention``...) gets ``dtype`` set to its policy's compute
-  dtype; NNX layers cast their inputs and parameters to ``dtype``. Parameters
-  keep their dtype (the master copy); outputs are not cast, so cast the
-  model's output with ``policy.default.cast_to_output``.
+  dtype, whatever ``dtype`` it was built with (``override_dtype`` only
+  concerns Linen); NNX layers cast their inputs and parameters to ``dtype``.
+  Parameters keep their dtype (the master copy); outputs are not cast, so
+  cast the model's output with ``policy.default.cast_to_output``.
 
   Args:
     rules: a mapping (or sequence of pairs) from module classes or
@@ -142,11 +186,17 @@ class ModulePolicy:
       :func:`jaxmp.get_policy` takes), or ``None`` to leave them alone.
       Default ``"float32"``.
     first_match: resolve overlapping rules by their order instead of raising.
+    override_dtype: Linen only: ``True`` to set the ``dtype`` of every module
+      that has one to its policy's compute dtype while it runs, a tuple of
+      module classes to do so for their instances only, ``False`` (the
+      default) to leave the modules' ``dtype`` as declared.
 
   Raises:
-    TypeError: if a key is neither a class nor a string.
-    ValueError: for an invalid regular expression, a key given twice, or a
-      policy ``get_policy`` does not understand.
+    TypeError: if a key is neither a class nor a string, or
+      ``override_dtype`` is neither a bool nor module classes.
+    ValueError: for an invalid regular expression, a key given twice, a
+      policy ``get_policy`` does not understand, or an ``override_dtype``
+      class without a ``dtype`` attribute.
 
   Example:
     >>> import jax, jax.numpy as jnp, jaxmp
@@ -161,9 +211,8 @@ class ModulePolicy:
     dtype('float32')
   """
 
-  rules: tuple[tuple[Any, Policy], ...]
-  default: Policy | None
-  first_match: bool
+  table: RuleTable
+  override_dtype: bool | tuple[type, ...]
 
   def __init__(
       self,
@@ -171,18 +220,28 @@ class ModulePolicy:
       default: Any = "float32",
       *,
       first_match: bool = False,
+      override_dtype: bool | type | tuple[type, ...] = False,
   ):
-    object.__setattr__(self, "rules", check_rules(
-        "ModulePolicy", rules, _check_key, key_word="key",
-        key_description="module class or name pattern", key_repr=_key_repr))
-    if not isinstance(first_match, bool):
-      raise TypeError(
-          f"ModulePolicy: first_match must be a bool, got {first_match!r}."
-      )
-    object.__setattr__(
-        self, "default", None if default is None else get_policy(default)
-    )
-    object.__setattr__(self, "first_match", first_match)
+    object.__setattr__(self, "table", rule_table(
+        "ModulePolicy", rules, default, first_match, check_key=_check_key,
+        key_description="module class or name pattern", key_repr=_key_repr,
+        exclusive_hint=" (a class and a name that cover the same module overlap)"))
+    object.__setattr__(self, "override_dtype", _check_override_dtype(override_dtype))
+
+  @property
+  def rules(self) -> tuple[tuple[Any, Policy], ...]:
+    """The ``(key, Policy)`` rules, in the order given."""
+    return self.table.rules
+
+  @property
+  def default(self) -> Policy | None:
+    """The policy of the modules no rule covers (or ``None``)."""
+    return self.table.default
+
+  @property
+  def first_match(self) -> bool:
+    """Whether overlaps resolve by the order of the rules."""
+    return self.table.first_match
 
   def rule_for(self, module: Any, name: str | None, path: str) -> Policy | None:
     """Returns the policy of the rule that matches a module, or ``None``.
@@ -201,26 +260,22 @@ class ModulePolicy:
   def _match(
       self, module: Any, name: str | None, path: str
   ) -> tuple[Any, Policy] | None:
-    matches = [
-        (key, policy)
-        for key, policy in self.rules
-        if _rule_hits(key, module, name, path)
-    ]
-    if not matches:
-      return None
-    if len(matches) > 1 and not self.first_match:
-      raise ValueError(
-          f"ModulePolicy: the module {type(module).__name__} at path "
-          f"{path or '(root)'!r} matches several rules: "
-          f"{', '.join(_key_repr(k) for k, _ in matches)}. Remove the overlap, "
-          "or pass first_match=True to let the first matching rule win."
-      )
-    return matches[0]
+    return self.table.match(
+        _module_subject(module, path),
+        lambda key: _rule_hits(key, module, name, path),
+    )
+
+  def _overrides_dtype(self, module: Any) -> bool:
+    if self.override_dtype is False:
+      return False
+    if self.override_dtype is not True and not isinstance(module, self.override_dtype):
+      return False
+    return _has_dtype_field(type(module))
 
   @property
   def needs_loss_scaling(self) -> bool:
     """True when any of the policies (default included) needs loss scaling."""
-    return rules_need_loss_scaling(self.rules, self.default)
+    return self.table.needs_loss_scaling
 
   @property
   def io_policy(self) -> Policy:
@@ -229,7 +284,7 @@ class ModulePolicy:
     Raises:
       ValueError: if there is no default.
     """
-    return default_io_policy(self)
+    return self.table.io_policy
 
   def params_for_storage(self, params: Any) -> Any:
     """Returns the params as they are: each module casts what it reads."""
@@ -238,6 +293,14 @@ class ModulePolicy:
   def params_for_compute(self, params: Any) -> Any:
     """Returns the params as they are: each module casts what it reads."""
     return params
+
+  def __str__(self) -> str:
+    override = self.override_dtype
+    if isinstance(override, tuple):
+      override = "(" + "".join(_key_repr(c) + ", " for c in override).rstrip() + ")"
+    return f"ModulePolicy({self.table}, override_dtype={override})"
+
+  __repr__ = __str__
 
   # Linen.
 
@@ -254,6 +317,12 @@ class ModulePolicy:
       policy = stack[-1]
     else:
       policy = self.default
+    override = policy is not None and self._overrides_dtype(module)
+    if override:
+      declared = module.dtype
+      # Linen modules are frozen dataclasses; the bound module is a clone
+      # made for this call, and its declared dtype is restored below.
+      object.__setattr__(module, "dtype", policy.compute_dtype)
     stack.append(policy)
     try:
       if policy is None or context.method_name == "setup":
@@ -262,6 +331,8 @@ class ModulePolicy:
       out = next_fun(*args, **kwargs)
     finally:
       stack.pop()
+      if override:
+        object.__setattr__(module, "dtype", declared)
     if own is not None or outermost:
       out = policy.cast_to_output(out)
     return out
@@ -273,27 +344,38 @@ class ModulePolicy:
     (``(variables, *args, **kwargs)``). It wraps the floating leaves of
     ``variables["params"]`` so that each module reads its parameters in its
     own compute dtype, and runs ``apply_fn`` inside ``nn.intercept_methods``
-    with an interceptor that casts the modules' inputs and outputs (see the
-    class documentation). Gradients with respect to the params flow back to
-    the params' own dtype. Do not make the ``params`` collection mutable in
-    the wrapped call.
+    with an interceptor that casts the modules' inputs and outputs (and, with
+    ``override_dtype``, sets their ``dtype``; see the class documentation).
+    What ``apply_fn`` returns is cast to ``default``'s output dtype; with
+    ``mutable=[...]``, where it returns ``(output, updated_collections)``,
+    only the output is cast, and the updated collections (``batch_stats``)
+    keep their dtype. Gradients with respect to the params flow back to the
+    params' own dtype. Do not make the ``params`` collection mutable in the
+    wrapped call.
 
     Args:
       apply_fn: a function such as ``model.apply``.
 
     Returns:
       The wrapped function.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxmp
+      >>> import flax.linen as nn
+      >>> model = nn.Dense(2, dtype=jnp.float32)  # a declared float32 layer
+      >>> x = jnp.ones((1, 3))
+      >>> variables = model.init(jax.random.key(0), x)
+      >>> def dot_dtypes(policy):
+      ...   jaxpr = jax.make_jaxpr(policy.wrap_apply(model.apply))(variables, x)
+      ...   return [tuple(str(v.aval.dtype) for v in e.invars)
+      ...           for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+      >>> dot_dtypes(jaxmp.flax.ModulePolicy({}, default="mixed_float16"))
+      [('float32', 'float32')]
+      >>> dot_dtypes(jaxmp.flax.ModulePolicy({}, default="mixed_float16",
+      ...                                    override_dtype=True))
+      [('float16', 'float16')]
     """
-    import flax.linen as nn  # pylint: disable=g-import-not-at-top
-
-    @functools.wraps(apply_fn)
-    def apply(variables, *args, **kwargs):
-      if isinstance(variables, Mapping) and "params" in variables:
-        variables = {**variables, "params": _box_params(variables["params"])}
-      with nn.intercept_methods(self._intercept):
-        return apply_fn(variables, *args, **kwargs)
-
-    return apply
+    return WrappedApply(_apply_under_modules, self, apply_fn)
 
   # NNX.
 
@@ -304,7 +386,9 @@ class ModulePolicy:
     module that has a ``dtype`` attribute, sets it to the compute dtype of its
     policy (its rule's, else the enclosing module's, else ``default``). Call
     it once, outside ``jit``, after building the model; the model is changed
-    in place. Parameters keep their dtype.
+    in place. A module built with ``dtype=jnp.float32`` is overridden like
+    any other (NNX layers read ``self.dtype`` when they run). Parameters keep
+    their dtype (``param_dtype`` is not touched).
 
     Args:
       model: an ``nnx.Module``.
@@ -332,7 +416,7 @@ class ModulePolicy:
       >>> policy.set_nnx_dtypes(model)
       {'dense': 'p=f32,c=bf16,o=f32', 'norm': 'p=f32,c=f32,o=f32'}
       >>> model.norm.dtype, model.dense.dtype
-      (dtype('float32'), dtype(bfloat16))
+      (<class 'jax.numpy.float32'>, <class 'jax.numpy.bfloat16'>)
     """
     from flax import nnx  # pylint: disable=g-import-not-at-top
 
@@ -371,7 +455,7 @@ class ModulePolicy:
         )
         raise ValueError(
             f"ModulePolicy: the rule {_key_repr(key)} matches no module of the "
-            f"model. Module paths are: {names}."
+            f"model. Module paths are: {names}. Check the rule for a typo."
         )
       if not any(sp[: len(p)] == p for p in paths for sp in set_paths):
         raise ValueError(
@@ -385,6 +469,20 @@ class ModulePolicy:
             set_paths.items(), key=lambda item: [str(p) for p in item[0]]
         )
     }
+
+
+def _apply_under_modules(policy: ModulePolicy, apply_fn: Callable[..., Any],
+                         variables: Any, *args, **kwargs) -> Any:
+  """``apply_fn(variables, *args, **kwargs)`` under the module policy."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  if isinstance(variables, Mapping) and "params" in variables:
+    variables = {**variables, "params": _box_params(variables["params"])}
+  with nn.intercept_methods(policy._intercept):  # pylint: disable=protected-access
+    result = apply_fn(variables, *args, **kwargs)
+  if policy.default is None:
+    return result
+  return cast_apply_output(policy.default, result, kwargs)
 
 
 def _rule_hits(key: Any, module: Any, name: str | None, path: str) -> bool:
