@@ -285,9 +285,10 @@ class LossScaleMonitor:
 
 def _host_step(step: Any) -> int:
   """``step`` as a Python int; a stacked step must agree across members."""
-  value = np.asarray(jax.device_get(step))
-  if value.ndim and value.size and np.all(value == value.flat[0]):
-    value = value.flat[0]  # a pmap-replicated step count
-  return check_number("LossScaleMonitor", "step", value, integer=True, minimum=0,
+  if isinstance(step, (jax.Array, np.ndarray)):
+    step = np.asarray(jax.device_get(step))
+    if step.ndim and step.size and np.all(step == step.flat[0]):
+      step = step.flat[0]  # a pmap-replicated step count
+  return check_number("LossScaleMonitor", "step", step, integer=True, minimum=0,
                       advice="Pass the number of updates done so far, e.g. "
                       "state.step.")
