@@ -417,5 +417,9 @@ def test_pmap_inf_on_one_replica(axis_name):
     np.testing.assert_array_equal(np.asarray(new_state.skipped_steps), 1)
   else:
     np.testing.assert_array_equal(finite, [True] * 6 + [False, True])
-  # Host-side checks need one replica's copy of the (replicated) state.
-  jaxmp.check_loss_scale(jax.tree_util.tree_map(lambda x: x[0], new_state))
+  # The host-side checks read the stacked state, member by member.
+  jaxmp.check_loss_scale(new_state)
+  monitor = jaxmp.LossScaleMonitor(every=1, warn_rate=None)
+  monitor.update(1, new_state)
+  assert monitor.history["skipped_steps"] == [1]
+  assert monitor.history["last_finite"] == [False]
