@@ -398,13 +398,10 @@ def test_check_loss_scale_raises_only_after_an_overflow_at_the_minimum():
   for source in [state, jaxmp.get_loss_scale(state), jaxmp.loss_scaling_metrics(state)]:
     with pytest.raises(jaxmp.LossScaleAtMinimumError) as info:
       jaxmp.check_loss_scale(source)
-    message = str(info.value)
-    assert message.startswith(
+    # (The remedies that follow are asserted in test_faults.py.)
+    assert str(info.value).startswith(
         "Current loss scale already at minimum (1.0): 1 overflow(s) at the "
         "minimum scale.\n")
-    for remedy in ["bfloat16", "jaxmp.auto_policy()", "learning rate",
-                   "clip_by_global_norm", "bad data"]:
-      assert remedy in message
   jaxmp.check_loss_scale(state, max_overflows_at_min=1)  # tolerated
 
 
