@@ -243,6 +243,10 @@ class LossScaleMonitor:
       ImportError: if matplotlib is not installed.
       ValueError: if nothing was recorded yet.
     """
+    if not self.records:
+      raise ValueError(
+          "LossScaleMonitor.plot: nothing recorded yet. Call "
+          "monitor.update(step, opt_state) after the updates first.")
     try:
       from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
       from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
@@ -250,8 +254,6 @@ class LossScaleMonitor:
       raise ImportError(
           "LossScaleMonitor.plot needs matplotlib: pip install 'jaxmp[examples]'"
       ) from e
-    if not self.records:
-      raise ValueError("LossScaleMonitor.plot: nothing recorded yet.")
     history = self.history
     steps = np.asarray(history["step"])
     skipped = np.asarray(history["skipped_steps"])
