@@ -212,9 +212,10 @@ def loss_scaling_states_with_path(
 
   Searches with ``optax.tree_utils.tree_get_all_with_path``, so it looks
   inside ``optax.chain``, ``optax.MultiSteps``, ``optax.inject_hyperparams``,
-  Flax ``TrainState``\\ s, ``nnx.Optimizer`` objects and their ``opt_state``
-  (whose leaves are NNX variables), and any container of those. A state nested
-  in another is found too. Paths print with ``jax.tree_util.keystr``.
+  a Flax ``TrainState``, an ``nnx.Optimizer`` and its ``opt_state`` (whose
+  leaves are NNX variables), and any container of those (e.g. a tuple of NNX
+  model and optimizer). A state nested in another is found too. Paths print
+  with ``jax.tree_util.keystr``.
   """
   return optax.tree_utils.tree_get_all_with_path(
       tree, LossScalingState.__name__,
@@ -427,8 +428,9 @@ def loss_scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
     >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale())
     >>> state = tx.init(jnp.ones(2))
     >>> _, state = tx.update(jnp.array([jnp.nan, 1.0]), state)
-    >>> {k: int(v) for k, v in jaxmp.loss_scaling_metrics(state).items()}
-    {'loss_scale': 16384, 'overflows_at_min': 0, 'steps_since_adjustment': 0, 'skipped': 1, 'skipped_steps': 1, 'last_finite': 0}
+    >>> metrics = jaxmp.loss_scaling_metrics(state)
+    >>> int(metrics["skipped"]), int(metrics["skipped_steps"]), float(metrics["loss_scale"])
+    (1, 1, 16384.0)
   """
   return metrics_of(_find_state(opt_state, "loss_scaling_metrics"))
 
