@@ -15,6 +15,11 @@ bfloat16 compute and a donated state, in five variants:
    select of the parameters and the optimizer state, the pattern of Flax's
    ImageNet example.
 
+Before measuring, it checks once that jaxmp's two selects (the in-place one
+and the plain ``optax.tree.where`` one that ``JAXMP_INPLACE_SELECT=0`` turns
+on) give bit-identical parameters, optimizer state and loss over a finite, a
+skipped and a finite step, and stops if they do not.
+
 For each it reports the compiler's figures, which are deterministic
 (``memory_analysis()`` temp bytes, ``cost_analysis()`` bytes accessed), the
 compile time (median of several fresh compilations), and the median step time
@@ -34,6 +39,7 @@ import argparse
 import functools
 import importlib.metadata
 import json
+import os
 import pathlib
 import re
 import statistics
@@ -253,6 +259,61 @@ def copy_tree(tree):
   return jax.tree_util.tree_map(lambda x: x.copy(), tree)
 
 
+SELECT_SWITCH = "JAXMP_INPLACE_SELECT"
+CHECKED_STEPS = ("finite", "skipped", "finite")
+
+
+def check_select_paths(loss_fn, params, batch) -> dict[str, Any]:
+  """Runs jaxmp's step with both selects; raises unless bit-identical.
+
+  The step is traced afresh under ``JAXMP_INPLACE_SELECT=1`` (the in-place
+  select, the default) and ``=0`` (the plain ``optax.tree.where``), and run
+  over a finite step, a step whose gradients get an inf (skipped), and another
+  finite step. Every leaf of the parameters, the optimizer state and the loss
+  must have the same bytes.
+  """
+  tx = jaxmp.loss_scaling(
+      optax.adamw(1e-3), jaxmp.DynamicLossScale(INITIAL_SCALE, period=PERIOD))
+
+  def step(state, batch, poison):
+    params, opt_state = state
+    loss_scale = jaxmp.get_loss_scale(opt_state)
+    loss, grads = jaxmp.scaled_value_and_grad(loss_fn, loss_scale)(params, batch)
+    grads = jax.tree_util.tree_map(lambda g: g + poison.astype(g.dtype), grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  def run(switch: str) -> list[bytes]:
+    previous = os.environ.get(SELECT_SWITCH)
+    os.environ[SELECT_SWITCH] = switch
+    try:
+      jitted = jax.jit(lambda s, b, p: step(s, b, p))  # a fresh trace
+      state, outputs = (copy_tree(params), tx.init(params)), []
+      for kind in CHECKED_STEPS:
+        poison = jnp.float32(jnp.inf if kind == "skipped" else 0.0)
+        state, loss = jitted(state, batch, poison)
+        outputs.append((state, loss))
+    finally:
+      if previous is None:
+        del os.environ[SELECT_SWITCH]
+      else:
+        os.environ[SELECT_SWITCH] = previous
+    finite = [bool(s[1].last_finite) for s, _ in outputs]
+    if finite != [kind == "finite" for kind in CHECKED_STEPS]:
+      raise RuntimeError(f"select check: expected steps {CHECKED_STEPS}, got "
+                         f"last_finite {finite}")
+    return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(outputs)]
+
+  inplace, plain = run("1"), run("0")
+  differing = sum(a != b for a, b in zip(inplace, plain))
+  if len(inplace) != len(plain) or differing:
+    raise RuntimeError(
+        f"The in-place and the plain select of jaxmp.loss_scaling differ in "
+        f"{differing} of {len(inplace)} leaves over the steps {CHECKED_STEPS}.")
+  return {"steps": list(CHECKED_STEPS), "leaves_compared": len(inplace),
+          "bit_identical": True}
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
   """Compiles and times every variant; returns the figures."""
   loss_fn, params = bf16_loss_fn(args)
@@ -261,6 +322,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
   rng = np.random.default_rng(0)
   batch = jnp.asarray(rng.integers(0, 256, (args.batch_size, args.seq_len + 1)),
                       jnp.int32)
+  select_check = check_select_paths(loss_fn, params, batch)
+  print(f"select check: bit-identical over {select_check['steps']}",
+        file=sys.stderr)
 
   # Compile every variant several times, round-robin, so that a busy moment
   # of the machine does not fall on one variant only.
@@ -323,6 +387,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
       "config": {k: v for k, v in vars(args).items() if k != "out"},
       "parameters": int(n_params),
       "machine": machine_description(),
+      "select_check": select_check,
       "variants": figures,
   }
 
@@ -380,6 +445,18 @@ def markdown(results: dict[str, Any]) -> str:
       f"{config['steps_per_round']} steps; compile time: median CPU time of "
       f"{config['compile_repeats']} fresh traces and compilations.",
       "",
+  ]
+  check = results.get("select_check")
+  if check is not None:
+    lines += [
+        "Select paths: jaxmp's in-place select and the plain `optax.tree.where` "
+        f"select (`{SELECT_SWITCH}=0`) gave bit-identical parameters, optimizer "
+        f"state and loss over a {', a '.join(check['steps'][:-1])} and a "
+        f"{check['steps'][-1]} step "
+        f"({check['leaves_compared']} leaves compared).",
+        "",
+    ]
+  lines += [
       f"Machine: {machine['platform']} ({machine['device_kind']}, "
       f"{machine['cpu_count']} cores), Python {machine['python']}, JAX "
       f"{machine['jax']}, optax {machine['optax']}, flax {machine['flax']}, "

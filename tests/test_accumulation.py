@@ -56,36 +56,6 @@ def test_non_finite_micro_batch_skips_the_accumulated_step_once():
   assert bool(optax.MultiSteps(optax.sgd(1.0), K).has_updated(state))
 
 
-def test_random_faults_over_many_micro_batches():
-  """Each accumulated step is applied iff all its micro-batches were finite."""
-  params0 = init_mlp(jax.random.key(7))
-  tx = jaxmp.multi_steps(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**10, period=3), K)
-  reference = optax.MultiSteps(optax.adam(1e-2), K)
-  micro_step = make_micro_step(tx)
-
-  @jax.jit
-  def reference_step(params, state, batch):
-    updates, state = reference.update(jax.grad(mse)(params, batch), state, params)
-    return optax.apply_updates(params, updates), state
-
-  rng = np.random.default_rng(1)
-  n_steps = 12
-  faults = rng.random((n_steps, K)) < 0.08
-  faults[3, 0] = faults[3, 3] = True
-  params, state = params0, tx.init(params0)
-  ref_params, ref_state = params0, reference.init(params0)
-  for step in range(n_steps):
-    for micro in range(K):
-      batch = make_batch(step * K + micro)
-      params, state = micro_step(params, state, batch, jnp.asarray(faults[step, micro]))
-      if not faults[step].any():
-        ref_params, ref_state = reference_step(ref_params, ref_state, batch)
-  expected_skips = int(faults.any(axis=1).sum())
-  assert expected_skips >= 2
-  assert int(state.inner_opt_state.skipped_steps) == expected_skips
-  chex.assert_trees_all_close(params, ref_params, rtol=2e-5, atol=1e-7)
-
-
 def test_plain_optax_multisteps_around_loss_scaling_stays_poisoned():
   """Why multi_steps exists: optax.MultiSteps keeps a nan in its accumulator."""
   params0 = init_mlp(jax.random.key(8))

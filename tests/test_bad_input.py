@@ -16,6 +16,7 @@ import sys
 import tempfile
 import traceback
 from typing import Any, Callable
+from unittest import mock
 
 import flax.linen as nn
 import jax
@@ -80,6 +81,24 @@ def nnx_model():
   return Holder()
 
 
+def update_with_select_switch(value):
+  def call():
+    with mock.patch.dict(os.environ, {"JAXMP_INPLACE_SELECT": value}):
+      return jax.jit(TX.update)(PARAMS, STATE, PARAMS)
+  return call
+
+
+def first_argument_value_and_grad(fun, *, has_aux=False):
+  """A value-and-grad without argnums, as eqx.filter_value_and_grad."""
+  return jax.value_and_grad(fun, has_aux=has_aux)
+
+
+def record_twice():
+  monitor = jaxmp.LossScaleMonitor()
+  monitor.record(5, STATE)
+  monitor.record(5, STATE)
+
+
 def jitted_update_on_unbound_axis():
   tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(), axis_name="batch")
   return jax.jit(tx.update)(PARAMS, tx.init(PARAMS), PARAMS)
@@ -92,6 +111,7 @@ POLICY_GRAMMAR = (r"Valid keys are p, params, c, compute, o, output\. " + VALID_
 SCALE_HINT = r"powers of two such as 2\.0\*\*15"
 NO_STATE_FIX = r"Wrap the optimizer with jaxmp\.loss_scaling\(optax\.adamw"
 SAME_PARAMS = r"Differentiate with respect to the same params you pass to update"
+METRICS_FIX = r"Pass the dict returned by jaxmp\.loss_scaling_metrics\(opt_state\)"
 
 CASES = [
     # -- Policies ------------------------------------------------------------
@@ -399,41 +419,74 @@ CASES = [
                                    {"a": jnp.ones(2)}),
          TypeError, r"leaves at \['a'\] have dtypes int32 and float32",
          r"Pass two pytrees of the same dtypes"),
-    # -- The optax wrapper ------------------------------------------------------
+    # -- The optax wrapper (value_and_grad, checks, monitor, diagnostics) -------
     Case("loss_scaling: a number as the loss scale",
          lambda: jaxmp.loss_scaling(optax.sgd(0.1), 2.0**15), TypeError,
          r"got 32768\.0", r"such as jaxmp\.DynamicLossScale\(\)"),
     Case("loss_scaling: a name as the optimizer",
          lambda: jaxmp.loss_scaling("adam", jaxmp.DynamicLossScale()), TypeError,
          r"got 'adam'", r"e\.g\. optax\.adamw\(1e-3\)"),
+    Case("loss_scaling: wrapped twice",
+         lambda: jaxmp.loss_scaling(TX, jaxmp.DynamicLossScale()).init(PARAMS),
+         ValueError, r"the optimizer it wraps is already wrapped with "
+         r"jaxmp\.loss_scaling .*unscaled twice",
+         r"Wrap the bare optimizer once: jaxmp\.loss_scaling\(optax\.adamw"),
+    Case("loss_scaling: around optax.MultiSteps of loss_scaling",
+         lambda: jaxmp.loss_scaling(optax.MultiSteps(TX, 2),
+                                    jaxmp.DynamicLossScale()).init(PARAMS),
+         ValueError, r"holds a LossScalingState at MultiStepsState\.inner_opt_state",
+         r"use jaxmp\.multi_steps\(optax\.adamw\(1e-3\), loss_scale, k\), which "
+         r"wraps it for you"),
+    Case("multi_steps: around loss_scaling",
+         lambda: jaxmp.multi_steps(TX, jaxmp.DynamicLossScale(), 4).init(PARAMS),
+         ValueError, r"jaxmp\.multi_steps: the optimizer it wraps is already "
+         r"wrapped with jaxmp\.loss_scaling",
+         r"pass the bare optimizer, jaxmp\.multi_steps\(optax\.adamw\(1e-3\), "
+         r"loss_scale, k\)"),
     Case("update: gradients of another tree structure", update_with({"w": jnp.ones(2)}),
-         ValueError, r"do not have the tree structure of the params", SAME_PARAMS),
+         ValueError, r"the gradients and the params differ in tree structure", SAME_PARAMS),
     Case("update: gradients of other shapes",
          update_with({"w": jnp.ones(3), "b": jnp.ones(1)}), ValueError,
-         r"at \['w'\] the gradient has shape \(3,\) and the param \(2,\)", SAME_PARAMS),
+         r"differ in shape at \['w'\]: \(3,\) against \(2,\)", SAME_PARAMS),
     Case("update: the bare optimizer's state",
          update_with(PARAMS, state=optax.sgd(0.1).init(PARAMS)), TypeError,
          r"is a tuple, not the LossScalingState", r"Pass the state returned by tx\.init"),
     Case("update: an axis name outside pmap/shard_map", jitted_update_on_unbound_axis,
          ValueError, r"axis_name='batch'\): that axis name is not bound",
          r"inside jax\.shard_map or jax\.pmap .* or drop axis_name"),
+    Case("update: JAXMP_INPLACE_SELECT set to a word", update_with_select_switch("off"),
+         ValueError, r"JAXMP_INPLACE_SELECT must be 1 .* or 0 .*, got 'off'",
+         r"the plain optax\.tree\.where select"),
     Case("get_loss_scale: a state without one",
          lambda: jaxmp.get_loss_scale(optax.adam(1e-3).init(PARAMS)), ValueError,
          r"get_loss_scale: no jaxmp\.loss_scaling state found", NO_STATE_FIX),
     Case("get_loss_scale: two loss-scaling states",
          lambda: jaxmp.get_loss_scale((STATE, STATE)), ValueError,
-         r"holds 2 jaxmp\.loss_scaling states, so the loss scale is ambiguous",
-         r"Wrap the whole optimizer once"),
+         r"holds 2 jaxmp\.loss_scaling states \(at \[0\], \[1\]\), so the loss "
+         r"scale is ambiguous", r"Wrap the whole optimizer once"),
     Case("loss_scaling_metrics: a state without a loss scale",
          lambda: jaxmp.loss_scaling_metrics(optax.adam(1e-3).init(PARAMS)), ValueError,
          r"loss_scaling_metrics: no jaxmp\.loss_scaling state found", NO_STATE_FIX),
+    Case("check_loss_scale: a state without a loss scale",
+         lambda: jaxmp.check_loss_scale(optax.sgd(0.1).init(PARAMS)), ValueError,
+         r"check_loss_scale: no jaxmp\.loss_scaling state found", NO_STATE_FIX),
     Case("check_loss_scale: an incomplete metrics dict",
          lambda: jaxmp.check_loss_scale({"loss_scale": jnp.float32(1)}), ValueError,
-         r"has no 'overflows_at_min' key",
-         r"Pass the dict returned by jaxmp\.loss_scaling_metrics"),
+         r"has no 'overflows_at_min' key", METRICS_FIX),
+    Case("check_loss_scale: a metrics dict without the scale",
+         lambda: jaxmp.check_loss_scale({"overflows_at_min": 3}), ValueError,
+         r"the metrics dict has no 'loss_scale' key", METRICS_FIX),
+    Case("check_loss_scale: a metric that is not a number",
+         lambda: jaxmp.check_loss_scale({"overflows_at_min": "3", "loss_scale": 1.0}),
+         TypeError, r"the metric 'overflows_at_min' must be a number .*got '3'",
+         METRICS_FIX),
     Case("check_loss_scale: negative tolerance",
          lambda: jaxmp.check_loss_scale(STATE, max_overflows_at_min=-1), ValueError,
          r"got -1", r"must be an integer >= 0"),
+    Case("check_loss_scale: a string tolerance",
+         lambda: jaxmp.check_loss_scale(STATE, max_overflows_at_min="1"), TypeError,
+         r"max_overflows_at_min must be an integer, got '1'",
+         r"the number of overflows at the minimum scale to tolerate"),
     Case("scaled_value_and_grad: an optimizer state as the loss scale",
          lambda: jaxmp.scaled_value_and_grad(jnp.sum, STATE), TypeError,
          r"got a LossScalingState", r"pass jaxmp\.get_loss_scale\(opt_state\)"),
@@ -445,9 +498,80 @@ CASES = [
          lambda: jaxmp.scaled_value_and_grad(
              lambda w: 2 * w, jaxmp.StaticLossScale(2.0))(jnp.ones(2)),
          TypeError, r"scalar loss, got shape \(2,\)", r"Reduce it first, e\.g\. with jnp\.mean"),
+    Case("scaled_value_and_grad: an integer loss",
+         lambda: jaxmp.scaled_value_and_grad(
+             lambda w: jnp.sum(w).astype(jnp.int32), jaxmp.StaticLossScale(2.0))(
+                 jnp.ones(2)),
+         TypeError, r"real floating-point loss, got dtype int32, whose gradients are "
+         r"all zero", r"Compute the loss from floating values"),
+    Case("scaled_value_and_grad: a complex loss",
+         lambda: jaxmp.scaled_value_and_grad(
+             lambda w: jnp.sum(w * 1j), jaxmp.StaticLossScale(2.0))(jnp.ones(2)),
+         TypeError, r"got dtype complex64: only its real part would be differentiated",
+         r"Return a real loss, e\.g\. jnp\.abs\(z\) \*\* 2 or z\.real"),
+    Case("scaled_value_and_grad: a function leaf (an Equinox module)",
+         lambda: jaxmp.scaled_value_and_grad(
+             lambda m: jnp.sum(m["act"](m["w"])), jaxmp.StaticLossScale(2.0))(
+                 {"w": jnp.ones(2), "act": jnp.tanh}),
+         TypeError, r"argument 0 holds a leaf that is not an array at \['act'\]",
+         r"Pass value_and_grad=eqx\.filter_value_and_grad"),
+    Case("scaled_value_and_grad: argnums for a value_and_grad without them",
+         lambda: jaxmp.scaled_value_and_grad(
+             jnp.sum, jaxmp.NoOpLossScale(), argnums=1,
+             value_and_grad=first_argument_value_and_grad),
+         TypeError, r"\(argnums=1\): .*first_argument_value_and_grad takes no argnums",
+         r"Put what you differentiate first \(several objects as one tuple\)"),
+    Case("scaled_value_and_grad: value_and_grad not a function",
+         lambda: jaxmp.scaled_value_and_grad(
+             jnp.sum, jaxmp.NoOpLossScale(), value_and_grad="jax"),
+         TypeError, r"value_and_grad must be a function .*got 'jax'",
+         r"such as jax\.value_and_grad or eqx\.filter_value_and_grad"),
     Case("multi_steps: zero micro-batches",
          lambda: jaxmp.multi_steps(optax.sgd(0.1), jaxmp.NoOpLossScale(), 0), ValueError,
-         r"every_k_schedule .*got 0", r"must be an integer >= 1 .* or a function"),
+         r"every_k_schedule must be an integer >= 1, got 0",
+         r"Pass the number of micro-batches per step, or a function"),
+    Case("LossScaleMonitor: window 0", lambda: jaxmp.LossScaleMonitor(window=0),
+         ValueError, r"window must be an integer >= 1, got 0",
+         r"1000 measures the overflow rate"),
+    Case("LossScaleMonitor: warn_rate 0", lambda: jaxmp.LossScaleMonitor(warn_rate=0.0),
+         ValueError, r"warn_rate must be a number > 0 and <= 1, got 0\.0",
+         r"None never warns"),
+    Case("LossScaleMonitor: warn_rate above 1",
+         lambda: jaxmp.LossScaleMonitor(warn_rate=2.0), ValueError,
+         r"warn_rate must be a number > 0 and <= 1, got 2\.0", r"None never warns"),
+    Case("LossScaleMonitor: warn_rate as a string",
+         lambda: jaxmp.LossScaleMonitor(warn_rate="0.1"), TypeError,
+         r"warn_rate must be a number, got '0\.1' of type str",
+         r"0\.1 warns when a tenth of the steps are skipped"),
+    Case("LossScaleMonitor: a fractional every",
+         lambda: jaxmp.LossScaleMonitor(every=2.5), TypeError,
+         r"every must be an integer, got 2\.5", r"100 reads the metrics every 100 steps"),
+    Case("LossScaleMonitor.update: a step as a string",
+         lambda: jaxmp.LossScaleMonitor().update("5", STATE), TypeError,
+         r"step must be an integer, got '5' of type str",
+         r"the number of updates done so far"),
+    Case("LossScaleMonitor.record: a step that does not increase",
+         record_twice, ValueError, r"step 5 is not after the last recorded step 5",
+         r"steps must increase"),
+    Case("LossScaleMonitor.record: an incomplete metrics dict",
+         lambda: jaxmp.LossScaleMonitor().record(1, {"loss_scale": jnp.float32(1)}),
+         ValueError, r"has no 'skipped_steps', 'last_finite', 'overflows_at_min' keys",
+         METRICS_FIX),
+    Case("LossScaleMonitor.plot: nothing recorded yet",
+         lambda: jaxmp.LossScaleMonitor().plot("unused.png"), ValueError,
+         r"nothing recorded yet", r"Call monitor\.update\(step, opt_state\)"),
+    Case("opt_state_shardings: params without shardings",
+         lambda: jaxmp.opt_state_shardings(TX, {"w": np.ones(2), "b": np.ones(1)}),
+         ValueError, r"these params have no sharding: \['b'\], \['w'\]",
+         r"Place them with jax\.device_put\(params, shardings\) first, or pass "
+         r"param_shardings"),
+    Case("opt_state_shardings: single-device shardings without replicated=",
+         lambda: jaxmp.opt_state_shardings(TX, PARAMS), TypeError,
+         r"cannot tell what 'replicated' means for a SingleDeviceSharding",
+         r"pass replicated=NamedSharding\(mesh, P\(\)\)"),
+    Case("dtype_headroom: a word instead of a dtype",
+         lambda: jaxmp.dtype_headroom(jnp.ones(2), "not a dtype"), TypeError,
+         r"got 'not a dtype'", r"such as jnp\.float16 or jnp\.bfloat16"),
     # -- Migration ---------------------------------------------------------------
     Case("DeepSpeed: unparsable JSON", deepspeed('{"fp16": {"enabled": true,,}}'),
          ValueError, r"is not valid JSON", r"at line 1, column 27"),

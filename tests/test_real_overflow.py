@@ -61,12 +61,13 @@ def overflow_setup():
 def test_the_forward_pass_really_overflows_in_float16_only():
   params, x, y = overflow_setup()
   assert float(jnp.max(jnp.abs(x))) < 65504  # the inputs fit in float16
-  out16 = mlp(params, x, MIXED)
-  out32 = mlp(params, x, FLOAT32)
+  forward = jax.jit(mlp, static_argnums=2)
+  out16 = forward(params, x, MIXED)
+  out32 = forward(params, x, FLOAT32)
   assert not bool(jnp.all(jnp.isfinite(out16)))  # activations overflowed
   assert bool(jnp.all(jnp.isfinite(out32)))
   assert float(jnp.max(jnp.abs(out32))) > 65504  # beyond float16's range
-  assert not np.isfinite(float(mse(params, x, y, MIXED)))
+  assert not np.isfinite(float(jax.jit(mse, static_argnums=3)(params, x, y, MIXED)))
 
 
 def test_forward_overflow_is_skipped_and_reported():
@@ -110,10 +111,14 @@ def test_forward_overflow_is_skipped_and_reported():
 
   # The same model and data in float32 train normally.
   tx32 = jaxmp.loss_scaling(optax.adam(1e-3), jaxmp.NoOpLossScale())
-  state32 = tx32.init(params)
-  _, grads32 = jaxmp.scaled_value_and_grad(mse, jaxmp.NoOpLossScale())(params, x, y, FLOAT32)
-  _, state32 = tx32.update(grads32, state32, params)
-  assert int(state32.skipped_steps) == 0
+
+  @jax.jit
+  def float32_step(params, state):
+    _, grads = jaxmp.scaled_value_and_grad(mse, jaxmp.NoOpLossScale())(
+        params, x, y, FLOAT32)
+    return tx32.update(grads, state, params)[1]
+
+  assert int(float32_step(params, tx32.init(params)).skipped_steps) == 0
 
 
 # ---------------------------------------------------------------------------
@@ -134,6 +139,7 @@ def small_loss(params, x, y, policy):
   return LOSS_WEIGHT * mse(params, x, y, policy)
 
 
+@jax.jit
 def float16_grads(params, x, y, loss_scale):
   """Gradients of the float16 model, unscaled back to the true values."""
   _, grads = jaxmp.scaled_value_and_grad(small_loss, loss_scale)(params, x, y, MIXED)
@@ -155,7 +161,7 @@ def relative_error(grads, reference):
 
 def test_scaling_rescues_gradients_that_underflow_in_float16():
   params, x, y = underflow_setup()
-  reference = jax.grad(small_loss)(params, x, y, FLOAT32)
+  reference = jax.jit(jax.grad(small_loss), static_argnums=3)(params, x, y, FLOAT32)
   assert zero_fraction(reference) < 0.2  # only the dead ReLUs' exact zeros
 
   unscaled = float16_grads(params, x, y, jaxmp.NoOpLossScale())
@@ -171,7 +177,7 @@ def test_scaling_rescues_gradients_that_underflow_in_float16():
   assert bool(jaxmp.all_finite(unscaled)) and bool(jaxmp.all_finite(scaled))
 
   # The headroom diagnostics see the problem before training starts.
-  headroom = jaxmp.dtype_headroom(reference, jnp.float16)
+  headroom = jax.jit(jaxmp.dtype_headroom, static_argnums=1)(reference, jnp.float16)
   assert float(headroom["underflow"]) + float(headroom["subnormal"]) > 0.5
 
 

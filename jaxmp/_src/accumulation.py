@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from jaxmp._src.loss_scale import LossScale
-from jaxmp._src.loss_scaling import loss_scaling
+from jaxmp._src.loss_scaling import wrap_with_loss_scaling
+from jaxmp._src.validation import check_number
 
 
 def multi_steps(
@@ -49,8 +48,10 @@ def multi_steps(
       ``use_grad_mean``).
 
   Raises:
-    ValueError: if ``every_k_schedule`` is neither a function nor an integer
-      >= 1.
+    TypeError: if ``every_k_schedule`` is neither a function nor an integer.
+    ValueError: if it is an integer below 1; from ``init``, if ``inner`` is
+      already wrapped with :func:`jaxmp.loss_scaling` (pass the bare
+      optimizer).
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxmp
@@ -64,18 +65,17 @@ def multi_steps(
     >>> state.acc_grads["w"]  # and the accumulator starts clean
     Array([0., 0.], dtype=float32)
   """
-  if not callable(every_k_schedule) and (
-      isinstance(every_k_schedule, bool)
-      or not isinstance(every_k_schedule, numbers.Integral)
-      or every_k_schedule < 1
-  ):
-    raise ValueError(
-        "multi_steps: every_k_schedule must be an integer >= 1 (the number of "
-        "micro-batches per step) or a function of the step count, got "
-        f"{every_k_schedule!r}."
-    )
+  if not callable(every_k_schedule):
+    every_k_schedule = check_number(
+        "multi_steps", "every_k_schedule", every_k_schedule, integer=True,
+        minimum=1, advice="Pass the number of micro-batches per step, or a "
+        "function of the step count.")
   accumulate = optax.MultiSteps(
-      loss_scaling(inner, loss_scale, axis_name=axis_name),
+      wrap_with_loss_scaling(
+          inner, loss_scale, axis_name=axis_name, owner="jaxmp.multi_steps",
+          nested_fix="jaxmp.multi_steps wraps the optimizer with "
+          "jaxmp.loss_scaling itself: pass the bare optimizer, "
+          "jaxmp.multi_steps(optax.adamw(1e-3), loss_scale, k)."),
       every_k_schedule,
       **multi_steps_kwargs,
   )
@@ -83,9 +83,8 @@ def multi_steps(
   def update_fn(updates, state, params=None, **extra_args):
     updates, state = accumulate.update(updates, state, params, **extra_args)
     emitted = state.mini_step == 0
-    acc_grads = jax.tree_util.tree_map(
-        lambda acc: jnp.where(emitted, jnp.zeros_like(acc), acc), state.acc_grads
-    )
+    acc_grads = optax.tree.where(
+        emitted, optax.tree.zeros_like(state.acc_grads), state.acc_grads)
     return updates, state._replace(acc_grads=acc_grads)
 
   return optax.GradientTransformationExtraArgs(accumulate.init, update_fn)

@@ -1,11 +1,11 @@
 """Runs an optimizer's update and keeps its old state on non-finite steps.
 
-The obvious way to skip a step, ``jnp.where(finite, new, old)`` over the whole
-new state after the inner update, makes XLA compute each new moment twice: once
-inside the select, whose output overwrites the donated old moment in place,
-and once more in the parameter update, which then still needs the *old* moment
-and forces XLA to copy every moment first. On a 4M-parameter transformer that
-costs +2.9% temp memory and +5.7% bytes accessed.
+The obvious way to skip a step, ``optax.tree.where(finite, new, old)`` over
+the whole new state after the inner update, makes XLA compute each new moment
+twice: once inside the select, whose output overwrites the donated old moment
+in place, and once more in the parameter update, which then still needs the
+*old* moment and forces XLA to copy every moment first. On a 4M-parameter
+transformer that costs +2.9% temp memory and +5.7% bytes accessed.
 
 :func:`update_or_keep` instead traces the inner update to a jaxpr and
 re-evaluates it with the select inserted right where each new state leaf is
@@ -15,31 +15,123 @@ update; on skipped steps the state is the old one and the updates are
 replaced by the caller. XLA then writes each moment once, in place, as in the
 unguarded step (+0.3% temp memory, +1.0% bytes accessed: the extra read of the
 gradients by ``all_finite``).
+
+The re-evaluation relies on a few JAX internals (the jaxpr's ``Var`` and
+``Literal`` atoms, ``Primitive.get_bind_params``, the equation's context
+manager, and the varying-manual-axes type of ``shard_map`` values). Each is
+touched in exactly one helper below, and one compatibility test exercises
+them all. If a JAX release breaks them, set the environment variable
+``JAXMP_INPLACE_SELECT=0`` to use the plain select (same values, one more copy
+of the optimizer state per step).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jax_core
+import optax
+
+INPLACE_SELECT_ENV = "JAXMP_INPLACE_SELECT"
 
 
-def _can_select(var: Any, old: Any) -> bool:
-  return (
-      isinstance(var, jax_core.Var)
-      and tuple(var.aval.shape) == tuple(jnp.shape(old))
-      and var.aval.dtype == getattr(old, "dtype", None)
-  )
+def inplace_select_enabled() -> bool:
+  """Whether the in-place select is on: ``JAXMP_INPLACE_SELECT`` is unset or 1.
+
+  Read each time an update is traced, so a step compiled before the variable
+  changed keeps the select it was compiled with.
+
+  Raises:
+    ValueError: if the variable holds anything but ``0`` or ``1``.
+  """
+  value = os.environ.get(INPLACE_SELECT_ENV, "1").strip()
+  if value not in ("0", "1"):
+    raise ValueError(
+        f"The environment variable {INPLACE_SELECT_ENV} must be 1 (the "
+        "in-place select of jaxmp.loss_scaling, the default) or 0 (the plain "
+        f"optax.tree.where select), got {value!r}."
+    )
+  return value == "1"
 
 
-def _is_traced(tree: Any) -> bool:
-  return any(
-      isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree)
-  )
+def check_same_structure(
+    a: Any, b: Any, *, owner: str, names: Sequence[str], fix: str
+) -> None:
+  """Raises unless ``a`` and ``b`` have the same tree structure and leaf shapes.
+
+  The one structure check of the optax wrapper: gradients against params,
+  and an inner update's new state against its old one.
+
+  Args:
+    a: a pytree (arrays or ``jax.ShapeDtypeStruct`` leaves).
+    b: the pytree it must match.
+    owner: who checks; starts the message.
+    names: what ``a`` and ``b`` are, e.g. ``("the gradients", "the params")``.
+    fix: the sentence that says what to do; ends the message.
+
+  Raises:
+    ValueError: naming the two structures, or the first path whose shapes
+      differ.
+  """
+  name_a, name_b = names
+  struct_a = jax.tree_util.tree_structure(a)
+  struct_b = jax.tree_util.tree_structure(b)
+  if struct_a != struct_b:
+    raise ValueError(
+        f"{owner}: {name_a} and {name_b} differ in tree structure:\n"
+        f"  {name_a}: {struct_a}\n  {name_b}: {struct_b}\n{fix}"
+    )
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a),
+                          jax.tree_util.tree_leaves(b)):
+    shape_x, shape_y = getattr(x, "shape", None), getattr(y, "shape", None)
+    if shape_x is not None and shape_y is not None and (
+        tuple(shape_x) != tuple(shape_y)):
+      raise ValueError(
+          f"{owner}: {name_a} and {name_b} differ in shape at "
+          f"{jax.tree_util.keystr(path)}: {tuple(shape_x)} against "
+          f"{tuple(shape_y)}. {fix}"
+      )
+
+
+# The JAX internals, one helper each. tests/test_inplace_select.py checks them
+# against the installed JAX.
+
+
+def _jax_core():
+  """``jax.extend.core``, imported only when the in-place select runs."""
+  from jax.extend import core  # pylint: disable=g-import-not-at-top
+
+  return core
+
+
+def _is_var(atom: Any) -> bool:
+  """Whether a jaxpr atom is a variable (not a literal constant)."""
+  return isinstance(atom, _jax_core().Var)
+
+
+def _read(env: dict[Any, Any], atom: Any) -> Any:
+  """The value of a jaxpr atom: a literal's constant, or a variable's value."""
+  if isinstance(atom, _jax_core().Literal):
+    return atom.val
+  return env[atom]
+
+
+def _bind_equation(eqn: Any, invals: list[Any]) -> list[Any]:
+  """Evaluates one jaxpr equation on ``invals``; returns its outputs.
+
+  Binds the primitive with the parameters it was traced with, inside the
+  equation's own context (name stack, compute type), as ``jax.core.eval_jaxpr``
+  does.
+  """
+  bind_params = eqn.primitive.get_bind_params(eqn.params)
+  manager = getattr(getattr(eqn, "ctx", None), "manager", None)
+  with manager if manager is not None else contextlib.nullcontext():
+    out = eqn.primitive.bind(*invals, **bind_params)
+  return list(out) if eqn.primitive.multiple_results else [out]
 
 
 def _varies_over_manual_axes(tree: Any) -> bool:
@@ -50,6 +142,15 @@ def _varies_over_manual_axes(tree: Any) -> bool:
     if getattr(aval, "vma", None) or getattr(manual, "varying", None):
       return True
   return False
+
+
+def _is_traced(tree: Any) -> bool:
+  return any(
+      isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree)
+  )
+
+
+# The select.
 
 
 def update_or_keep(
@@ -73,6 +174,10 @@ def update_or_keep(
     and unspecified otherwise (the caller replaces them); ``new_state`` is the
     inner new state when ``finite`` and bit-identical to ``state`` otherwise.
 
+  Raises:
+    ValueError: if ``update`` returns a state of another structure or other
+      shapes than ``state``.
+
   Example:
     >>> import jax, jax.numpy as jnp, optax
     >>> from jaxmp._src.inplace_select import update_or_keep
@@ -86,69 +191,88 @@ def update_or_keep(
     Array([0., 0.], dtype=float32)
   """
   inputs = (finite, grads, state, params)
-  if not _is_traced(inputs) or _varies_over_manual_axes(inputs):
+  if (not _is_traced(inputs) or _varies_over_manual_axes(inputs)
+      or not inplace_select_enabled()):
     # Outside jit there is no fusion to help (and concrete values may take
     # other paths, e.g. integer powers); inside shard_map a re-traced jaxpr
-    # loses the varying-axes types of its inputs. Select whole trees there.
+    # loses the varying-axes types of its inputs; and the switch turns it off.
+    # Select whole trees there.
     updates, new_state = update(grads, state, params)
-    return updates, jax.tree_util.tree_map(
-        lambda new, old: jnp.where(finite, new, old), new_state, state
-    )
-  closed, out_shape = jax.make_jaxpr(update, return_shape=True)(
-      grads, state, params
-  )
-  jaxpr = closed.jaxpr
-  updates_shape, state_shape = out_shape
+    _check_state(new_state, state)
+    return updates, optax.tree.where(finite, new_state, state)
+  closed, (updates_shape, state_shape) = jax.make_jaxpr(
+      update, return_shape=True)(grads, state, params)
+  _check_state(state_shape, state)
+  try:
+    outs = _evaluate_with_select(closed, finite, (grads, state, params),
+                                 len(jax.tree_util.tree_leaves(updates_shape)))
+  except Exception as error:  # pylint: disable=broad-except
+    raise RuntimeError(
+        "jaxmp.loss_scaling's in-place select failed with this JAX version "
+        f"({jax.__version__}): {type(error).__name__}: {error}\nSet the "
+        f"environment variable {INPLACE_SELECT_ENV}=0 to use the plain "
+        "select (same results, one more copy of the optimizer state per "
+        "step), and please report the error."
+    ) from error
   n_updates = len(jax.tree_util.tree_leaves(updates_shape))
-  old_leaves, old_def = jax.tree_util.tree_flatten(state)
-  new_def = jax.tree_util.tree_structure(state_shape)
-  if new_def != old_def:
-    raise ValueError(
-        "jaxmp.loss_scaling: the wrapped optimizer's update returned a state "
-        f"of another structure than its input:\n  input:  {old_def}\n  output: "
-        f"{new_def}\nAn optax transformation must return a state of the "
-        "structure its init returned."
-    )
-  state_vars = jaxpr.outvars[n_updates:]
+  updates = jax.tree_util.tree_unflatten(
+      jax.tree_util.tree_structure(updates_shape), outs[:n_updates])
+  new_state = jax.tree_util.tree_unflatten(
+      jax.tree_util.tree_structure(state), outs[n_updates:])
+  return updates, new_state
 
+
+def _check_state(new_state: Any, state: Any) -> None:
+  check_same_structure(
+      new_state, state, owner="jaxmp.loss_scaling",
+      names=("the new state returned by the wrapped optimizer's update",
+             "its input state"),
+      fix="An optax transformation must return a state of the structure and "
+      "shapes its init returned.")
+
+
+def _evaluate_with_select(closed: Any, finite: jax.Array, inputs: Any,
+                          n_updates: int) -> list[Any]:
+  """Evaluates ``closed`` on ``inputs``, selecting the old state in place.
+
+  The outputs after the first ``n_updates`` are the new state; each is
+  replaced by ``where(finite, new, old)`` at the equation that produces it
+  (or at the output, where it is not produced by an equation of its own).
+  """
+  jaxpr = closed.jaxpr
+  grads, state, params = inputs
+  old_leaves = jax.tree_util.tree_leaves(state)
+  state_vars = jaxpr.outvars[n_updates:]
   # The new state leaves produced by an equation, each at exactly one place.
   places: dict[Any, int] = {}
   for var in state_vars:
-    if isinstance(var, jax_core.Var):
+    if _is_var(var):
       places[var] = places.get(var, 0) + 1
-  inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+  jaxpr_inputs = set(jaxpr.invars) | set(jaxpr.constvars)
   select_at = {
       var: old
       for var, old in zip(state_vars, old_leaves)
-      if _can_select(var, old) and places[var] == 1 and var not in inputs
+      if _is_var(var) and places[var] == 1 and var not in jaxpr_inputs
+      and tuple(var.aval.shape) == tuple(jnp.shape(old))
+      and var.aval.dtype == getattr(old, "dtype", None)
   }
 
+  def select(value, old):
+    return jnp.where(finite, value, old)
+
   env: dict[Any, Any] = {}
-
-  def read(var):
-    return var.val if isinstance(var, jax_core.Literal) else env[var]
-
   env.update(zip(jaxpr.constvars, closed.consts))
   env.update(zip(jaxpr.invars, jax.tree_util.tree_leaves((grads, state, params))))
   for eqn in jaxpr.eqns:
-    bind_params = eqn.primitive.get_bind_params(eqn.params)
-    ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
-    with ctx if ctx is not None else contextlib.nullcontext():
-      out = eqn.primitive.bind(*map(read, eqn.invars), **bind_params)
-    outs = out if eqn.primitive.multiple_results else [out]
+    outs = _bind_equation(eqn, [_read(env, var) for var in eqn.invars])
     for var, value in zip(eqn.outvars, outs):
-      if isinstance(var, jax_core.Var) and var in select_at:
-        value = jnp.where(finite, value, select_at[var])
+      if _is_var(var) and var in select_at:
+        value = select(value, select_at[var])
       env[var] = value
 
-  outs = [read(var) for var in jaxpr.outvars]
+  outs = [_read(env, var) for var in jaxpr.outvars]
   new_leaves = [
-      value
-      if isinstance(var, jax_core.Var) and var in select_at
-      else jnp.where(finite, value, old)
+      value if _is_var(var) and var in select_at else select(value, old)
       for var, value, old in zip(state_vars, outs[n_updates:], old_leaves)
   ]
-  updates = jax.tree_util.tree_unflatten(
-      jax.tree_util.tree_structure(updates_shape), outs[:n_updates]
-  )
-  return updates, jax.tree_util.tree_unflatten(new_def, new_leaves)
+  return outs[:n_updates] + new_leaves

@@ -1,17 +1,28 @@
-"""The optax wrapper: unscale, check, update or skip, adjust the loss scale."""
+"""The optax wrapper: unscale, check, update or skip, adjust the loss scale.
+
+Also the one search for the wrapper's state in a nested optimizer state
+(:func:`loss_scaling_states_with_path`), which :func:`get_loss_scale`,
+:func:`loss_scaling_metrics`, :func:`jaxmp.check_loss_scale` and the
+checkpoints use, and the check that refuses wrapping twice
+(:func:`check_no_loss_scaling_state`).
+"""
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmp._src.inplace_select import update_or_keep
+from jaxmp._src.inplace_select import check_same_structure, update_or_keep
 from jaxmp._src.loss_scale import LossScale, all_finite
 
 AxisName = Any  # a hashable axis name or a tuple of them
+KeyPath = tuple[Any, ...]
 
 
 class LossScalingState(NamedTuple):
@@ -54,13 +65,18 @@ def loss_scaling(
 
   The choice is made with ``jnp.where`` inside the inner update's elementwise
   pass: no host synchronisation, no ``lax.cond``, no extra copy of the
-  parameters or of the optimizer state.
+  parameters or of the optimizer state. (The environment variable
+  ``JAXMP_INPLACE_SELECT=0`` switches to a plain ``optax.tree.where`` over the
+  new state: the same values, one more copy of the state per step.)
 
   Wrap the whole optimizer (clipping, weight decay and schedules inside), so
-  that clipping sees the unscaled gradients.
+  that clipping sees the unscaled gradients and nothing moves the parameters
+  on a skipped step; :func:`get_loss_scale` warns when it finds the wrapper
+  inside ``optax.chain`` next to other transformations.
 
   Args:
-    inner: the optimizer to wrap.
+    inner: the optimizer to wrap. It must not hold a loss-scaling state
+      itself.
     loss_scale: the initial loss scale (:class:`jaxmp.DynamicLossScale`,
       :class:`jaxmp.StaticLossScale` or :class:`jaxmp.NoOpLossScale`).
     axis_name: inside ``pmap`` or ``shard_map``, the axis name (or tuple of
@@ -71,6 +87,12 @@ def loss_scaling(
   Returns:
     An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
     ``update`` are passed through to ``inner``.
+
+  Raises:
+    TypeError: if ``loss_scale`` is not a loss scale or ``inner`` not an optax
+      transformation.
+    ValueError: from ``init``, if ``inner``'s state already holds a
+      loss-scaling state (wrapping twice would unscale twice).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxmp
@@ -84,22 +106,47 @@ def loss_scaling(
     >>> float(jaxmp.get_loss_scale(state).loss_scale), int(state.skipped_steps)
     (512.0, 1)
   """
+  return wrap_with_loss_scaling(
+      inner, loss_scale, axis_name=axis_name, owner="jaxmp.loss_scaling",
+      nested_fix="Wrap the bare optimizer once: jaxmp.loss_scaling("
+      "optax.adamw(1e-3), loss_scale). For gradient accumulation, use "
+      "jaxmp.multi_steps(optax.adamw(1e-3), loss_scale, k), which wraps it "
+      "for you.")
+
+
+def wrap_with_loss_scaling(
+    inner: optax.GradientTransformation,
+    loss_scale: LossScale,
+    *,
+    axis_name: AxisName | None,
+    owner: str,
+    nested_fix: str,
+) -> optax.GradientTransformationExtraArgs:
+  """:func:`loss_scaling`, with the errors of an ``owner`` that wraps for you.
+
+  ``nested_fix`` is what the refusal of a wrapped ``inner`` tells the user to
+  do instead (``jaxmp.multi_steps`` names its own composition).
+  """
   if not isinstance(loss_scale, LossScale):
     raise TypeError(
-        "loss_scaling expects a loss scale such as jaxmp.DynamicLossScale(), "
+        f"{owner} expects a loss scale such as jaxmp.DynamicLossScale(), "
         f"jaxmp.StaticLossScale(2.0**15) or jaxmp.NoOpLossScale(); got "
         f"{loss_scale!r}."
     )
   if not (hasattr(inner, "init") and hasattr(inner, "update")):
     raise TypeError(
-        "loss_scaling expects an optax.GradientTransformation to wrap, e.g. "
+        f"{owner} expects an optax.GradientTransformation to wrap, e.g. "
         f"optax.adamw(1e-3); got {inner!r}."
     )
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
+    inner_state = inner.init(params)
+    check_no_loss_scaling_state(
+        inner_state, owner=owner, subject="the optimizer it wraps",
+        fix=nested_fix)
     return LossScalingState(
-        inner_state=inner.init(params),
+        inner_state=inner_state,
         loss_scale=_to_device_state(loss_scale),
         skipped_steps=jnp.zeros([], jnp.int32),
         last_finite=jnp.ones([], jnp.bool_),
@@ -108,12 +155,17 @@ def loss_scaling(
   def update_fn(updates, state, params=None, **extra_args):
     if not isinstance(state, LossScalingState):
       raise TypeError(
-          "The state passed to the update of jaxmp.loss_scaling is a "
+          f"The state passed to the update of {owner} is a "
           f"{type(state).__name__}, not the LossScalingState its init "
           "returned. Pass the state returned by tx.init(params)."
       )
     if params is not None:
-      _check_same_structure(updates, params)
+      check_same_structure(
+          updates, params, owner=f"{owner}'s update",
+          names=("the gradients", "the params"),
+          fix="Differentiate with respect to the same params you pass to "
+          "update (e.g. jaxmp.scaled_value_and_grad(loss_fn, loss_scale)"
+          "(params)).")
     current = state.loss_scale
     grads = current.unscale(updates)
     finite = all_finite(grads)
@@ -122,14 +174,14 @@ def loss_scaling(
         finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name)
       except NameError:
         raise ValueError(
-            f"jaxmp.loss_scaling(axis_name={axis_name!r}): that axis name is "
+            f"{owner}(axis_name={axis_name!r}): that axis name is "
             "not bound where update runs. Call update inside jax.shard_map or "
             "jax.pmap over that axis, or drop axis_name under plain jax.jit, "
             "where the finiteness check over sharded arrays is already global."
         ) from None
       finite = finite.astype(jnp.bool_)
     # The old inner state is selected where each new leaf is produced, so that
-    # XLA writes it once, in place (see jaxmp/_fold.py).
+    # XLA writes it once, in place (see inplace_select.py).
     inner_updates, inner_state = update_or_keep(
         lambda g, s, p: inner.update(g, s, p, **extra_args),
         finite, grads, state.inner_state, params,
@@ -150,50 +202,176 @@ def loss_scaling(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _check_same_structure(updates: Any, params: Any) -> None:
-  struct_u = jax.tree_util.tree_structure(updates)
-  struct_p = jax.tree_util.tree_structure(params)
-  if struct_u != struct_p:
-    raise ValueError(
-        "The gradients passed to jaxmp.loss_scaling's update do not have the "
-        f"tree structure of the params:\n  gradients: {struct_u}\n  params:    "
-        f"{struct_p}\nDifferentiate with respect to the same params you pass "
-        "to update (e.g. jaxmp.scaled_value_and_grad(loss_fn, loss_scale)(params))."
-    )
-  for (path, u), p in zip(jax.tree_util.tree_leaves_with_path(updates),
-                          jax.tree_util.tree_leaves(params)):
-    u_shape, p_shape = getattr(u, "shape", None), getattr(p, "shape", None)
-    if u_shape is not None and p_shape is not None and tuple(u_shape) != tuple(p_shape):
-      raise ValueError(
-          "The gradients passed to jaxmp.loss_scaling's update do not have the "
-          f"shapes of the params: at {jax.tree_util.keystr(path)} the gradient "
-          f"has shape {tuple(u_shape)} and the param {tuple(p_shape)}. "
-          "Differentiate with respect to the same params you pass to update."
-      )
+# Finding the state.
+
+
+def loss_scaling_states_with_path(
+    tree: Any,
+) -> list[tuple[KeyPath, LossScalingState]]:
+  """Every :class:`LossScalingState` in ``tree``, with its path, outermost first.
+
+  Searches with ``optax.tree_utils.tree_get_all_with_path``, so it looks
+  inside ``optax.chain``, ``optax.MultiSteps``, ``optax.inject_hyperparams``,
+  a Flax ``TrainState``, an ``nnx.Optimizer`` and its ``opt_state`` (whose
+  leaves are NNX variables), and any container of those (e.g. a tuple of NNX
+  model and optimizer). A state nested in another is found too. Paths print
+  with ``jax.tree_util.keystr``.
+  """
+  return optax.tree_utils.tree_get_all_with_path(
+      tree, LossScalingState.__name__,
+      filtering=lambda _, value: isinstance(value, LossScalingState))
 
 
 def _find_states(tree: Any) -> list[LossScalingState]:
-  is_state = lambda x: isinstance(x, LossScalingState)
-  leaves = jax.tree_util.tree_leaves(tree, is_leaf=is_state)
-  return [x for x in leaves if is_state(x)]
+  """The loss-scaling states in ``tree``, outermost first (no paths)."""
+  return [state for _, state in loss_scaling_states_with_path(tree)]
+
+
+def _path_text(path: KeyPath) -> str:
+  return jax.tree_util.keystr(path) or "the top"
+
+
+def check_no_loss_scaling_state(state: Any, *, owner: str, subject: str,
+                                fix: str) -> None:
+  """Refuses an optimizer whose state already holds a loss-scaling state.
+
+  Wrapping twice (``loss_scaling(loss_scaling(tx, ls), ls)``, or
+  ``multi_steps(loss_scaling(tx, ls), ls, k)``) would unscale the gradients
+  twice. ``state`` may be a real state or ``jax.eval_shape`` of ``init``.
+
+  Args:
+    state: the optimizer state to inspect.
+    owner: who refuses, e.g. ``"TrainState.create"``; starts the message.
+    subject: what was given, e.g. ``"tx"``.
+    fix: the sentence that names the right composition.
+
+  Raises:
+    ValueError: ``"{owner}: {subject} is already wrapped with
+      jaxmp.loss_scaling ..."``, ending with ``fix``.
+  """
+  found = loss_scaling_states_with_path(state)
+  if found:
+    path = jax.tree_util.keystr(found[0][0])
+    where = f" at {path}" if path else ""
+    raise ValueError(
+        f"{owner}: {subject} is already wrapped with jaxmp.loss_scaling (its "
+        f"state holds a LossScalingState{where}), so the gradients would be "
+        "unscaled twice and get_loss_scale would report only one of the "
+        f"scales. {fix}"
+    )
 
 
 def _find_state(opt_state: Any, caller: str) -> LossScalingState:
-  states = _find_states(opt_state)
-  if not states:
+  """The one loss-scaling state in ``opt_state``; warns where it is misplaced."""
+  found = loss_scaling_states_with_path(opt_state)
+  if not found:
     raise ValueError(
         f"{caller}: no jaxmp.loss_scaling state found in the given optimizer "
         f"state (a {type(opt_state).__name__}). Wrap the optimizer with "
         "jaxmp.loss_scaling(optax.adamw(...), jaxmp.DynamicLossScale()) and pass "
         "the state its init returned."
     )
-  if len(states) > 1:
+  if len(found) > 1:
     raise ValueError(
-        f"{caller}: the optimizer state holds {len(states)} jaxmp.loss_scaling "
-        "states, so the loss scale is ambiguous. Wrap the whole optimizer once "
+        f"{caller}: the optimizer state holds {len(found)} jaxmp.loss_scaling "
+        "states (at "
+        + ", ".join(_path_text(path) for path, _ in found)
+        + "), so the loss scale is ambiguous. Wrap the whole optimizer once "
         "with jaxmp.loss_scaling instead of wrapping its parts."
     )
-  return states[0]
+  path, state = found[0]
+  problem = _placement_problem(opt_state, path)
+  if problem is not None:
+    warnings.warn(
+        f"{caller}: the jaxmp.loss_scaling state sits at {_path_text(path)} of "
+        f"the optimizer state, {problem}. A transformation outside the wrapper "
+        "sees the scaled gradients (optax.clip_by_global_norm(1.0) would clip "
+        "gradients 2**15 times too large) or still changes the parameters on "
+        "a skipped step (optax.add_decayed_weights still moves them). Put "
+        "every transformation inside and wrap the whole optimizer once: "
+        "jaxmp.loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), "
+        "optax.adamw(1e-3)), loss_scale). (optax.MultiSteps, jaxmp.multi_steps, "
+        "optax.inject_hyperparams, nnx.Optimizer and jaxmp.flax.TrainState "
+        "around the wrapper are fine.)",
+        UserWarning,
+        stacklevel=_stacklevel_outside_jaxmp(),
+    )
+  return state
+
+
+def _stacklevel_outside_jaxmp() -> int:
+  """The ``stacklevel`` that makes a warning point at the caller of jaxmp."""
+  package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  frame, level = sys._getframe(1), 1  # pylint: disable=protected-access
+  while frame is not None and os.path.abspath(
+      frame.f_code.co_filename).startswith(package + os.sep):
+    frame, level = frame.f_back, level + 1
+  return level
+
+
+# Where the wrapper may sit: optax wrappers that pass every gradient to the
+# wrapper and apply its updates as they are.
+_ACCEPTED_WRAPPERS = frozenset({
+    ("MultiStepsState", "inner_opt_state"),  # optax.MultiSteps, jaxmp.multi_steps
+    ("InjectHyperparamsState", "inner_state"),  # optax.inject_hyperparams
+    ("InjectStatefulHyperparamsState", "inner_state"),
+})
+
+
+def _is_named_tuple(x: Any) -> bool:
+  return isinstance(x, tuple) and hasattr(x, "_fields")
+
+
+def _is_optax_state(x: Any) -> bool:
+  """Whether ``x`` is the state of an optax transformation (or of a chain)."""
+  if isinstance(x, LossScalingState):
+    return True
+  if _is_named_tuple(x):
+    return type(x).__module__.split(".")[0] == "optax"
+  if type(x) is tuple:  # pylint: disable=unidiomatic-typecheck
+    return bool(x) and all(_is_optax_state(y) for y in x)
+  return False
+
+
+def _placement_problem(tree: Any, path: KeyPath) -> str | None:
+  """Why the state at ``path`` of ``tree`` is not the outermost, or None.
+
+  The wrapper is misplaced inside an optax transformation's state other than
+  the accepted wrappers (``optax.masked``, ``optax.multi_transform``,
+  ``optax.apply_if_finite``, ...), and next to other transformations' states
+  in a plain tuple or dict (``optax.chain``, ``optax.named_chain``). Other
+  containers (a ``TrainState``, an ``nnx.Optimizer``, a user's tuple of model
+  and optimizer) are fine.
+  """
+  node = tree
+  for entry in path:
+    if _is_named_tuple(node):
+      name = getattr(entry, "name", None)
+      kind = type(node).__name__
+      if (_is_optax_state(node) and not isinstance(node, LossScalingState)
+          and (kind, name) not in _ACCEPTED_WRAPPERS):
+        return f"inside the state of an optax wrapper ({kind})"
+      node = getattr(node, name)
+    elif type(node) in (tuple, list) and hasattr(entry, "idx"):
+      others = [x for i, x in enumerate(node) if i != entry.idx]
+      if any(_is_optax_state(x) for x in others):
+        return "inside optax.chain, next to other transformations"
+      node = node[entry.idx]
+    elif isinstance(node, dict) and hasattr(entry, "key"):
+      others = [x for k, x in node.items() if k != entry.key]
+      if any(_is_optax_state(x) for x in others):
+        return "inside optax.named_chain, next to other transformations"
+      node = node[entry.key]
+    elif hasattr(entry, "name"):  # a dataclass field, an NNX attribute
+      node = getattr(node, entry.name)
+    elif hasattr(entry, "key"):
+      node = node[entry.key]
+    else:  # a custom node that names no keys: nothing to tell
+      return None
+  return None
+
+
+# Reading the state.
 
 
 def get_loss_scale(opt_state: Any) -> LossScale:
@@ -202,6 +380,11 @@ def get_loss_scale(opt_state: Any) -> LossScale:
   Finds the state of :func:`loss_scaling` anywhere in a nested optax state
   (``chain``, ``MultiSteps``, ``inject_hyperparams``, an NNX optimizer's
   state). Works inside ``jit``.
+
+  Warns (``UserWarning``) when the wrapper sits inside ``optax.chain`` next to
+  other transformations, or inside another optax wrapper than ``MultiSteps``
+  or ``inject_hyperparams``: those transformations see the scaled gradients,
+  or act on skipped steps. Wrap the whole optimizer instead.
 
   Raises:
     ValueError: if the state holds no (or more than one) loss-scaling state.
@@ -223,19 +406,40 @@ def get_loss_scale(opt_state: Any) -> LossScale:
 def loss_scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
   """Returns scalar arrays describing loss scaling, for logging; jit-safe.
 
-  Keys: ``loss_scale`` (float32), ``skipped_steps`` (int32), ``last_finite``
-  (bool), ``overflows_at_min`` (int32; 0 for static and no-op scales) and
-  ``steps_since_adjustment`` (int32, the dynamic scale's counter; 0 for
-  the others).
+  Keys:
+
+  * ``loss_scale`` (float32): the scale the next step will use;
+  * ``skipped`` (int32): 1 if the last step was skipped, else 0: a per-step
+    figure that loggers may average (the skip rate);
+  * ``skipped_steps`` (int32): the steps skipped so far (cumulative);
+  * ``last_finite`` (bool): whether the last step's gradients were finite;
+  * ``overflows_at_min`` (int32): overflows that found the scale at its
+    minimum (0 for static and no-op scales);
+  * ``steps_since_adjustment`` (int32): the dynamic scale's counter (0 for
+    the others).
+
+  Warns as :func:`get_loss_scale` does.
+
+  Raises:
+    ValueError: if the state holds no (or more than one) loss-scaling state.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxmp
     >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale())
-    >>> sorted(jaxmp.loss_scaling_metrics(tx.init(jnp.ones(2))))
-    ['last_finite', 'loss_scale', 'overflows_at_min', 'skipped_steps', 'steps_since_adjustment']
+    >>> state = tx.init(jnp.ones(2))
+    >>> _, state = tx.update(jnp.array([jnp.nan, 1.0]), state)
+    >>> metrics = jaxmp.loss_scaling_metrics(state)
+    >>> int(metrics["skipped"]), int(metrics["skipped_steps"]), float(metrics["loss_scale"])
+    (1, 1, 16384.0)
   """
-  state = _find_state(opt_state, "loss_scaling_metrics")
+  return metrics_of(_find_state(opt_state, "loss_scaling_metrics"))
+
+
+def metrics_of(state: LossScalingState) -> dict[str, jax.Array]:
+  """The dict of :func:`loss_scaling_metrics` for one loss-scaling state."""
   metrics = state.loss_scale.metrics()
+  last_finite = jnp.asarray(state.last_finite)
+  metrics["skipped"] = jnp.logical_not(last_finite).astype(jnp.int32)
   metrics["skipped_steps"] = jnp.asarray(state.skipped_steps)
-  metrics["last_finite"] = jnp.asarray(state.last_finite)
+  metrics["last_finite"] = last_finite
   return metrics

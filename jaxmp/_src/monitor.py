@@ -17,6 +17,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from jaxmp._src.checks import metrics_on_host
+from jaxmp._src.validation import check_number
+
 
 class MonitorRecord(NamedTuple):
   """One sample of the loss-scaling metrics, on the host."""
@@ -41,11 +44,22 @@ class LossScaleMonitor:
   ``TrainState`` after ``apply_gradients``); the history implicitly starts at
   step 0 with no skip.
 
+  A stacked state (``pmap`` replicas, or several runs under ``vmap``) is
+  recorded by its worst member in each field: the smallest loss scale, the
+  most skipped steps and overflows at the minimum, and ``last_finite`` false
+  if any member's last step was skipped.
+
   Args:
-    every: record every this many steps (>= 1).
-    window: the number of steps over which :meth:`overflow_rate` is measured.
+    every: record every this many steps (an integer >= 1).
+    window: the number of steps over which :meth:`overflow_rate` is measured
+      (an integer >= 1).
     warn_rate: warn once (``RuntimeWarning``) when, over a full window, at
-      least this fraction of the steps was skipped. ``None`` never warns.
+      least this fraction of the steps was skipped (a number in (0, 1]).
+      ``None`` never warns.
+
+  Raises:
+    TypeError: if an argument is not a number (or not an integer).
+    ValueError: if it lies outside its range.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxmp
@@ -64,15 +78,17 @@ class LossScaleMonitor:
 
   def __init__(self, every: int = 100, window: int = 1000,
                warn_rate: float | None = 0.1):
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-      raise ValueError(f"LossScaleMonitor: every must be an integer >= 1, got {every!r}.")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-      raise ValueError(f"LossScaleMonitor: window must be an integer >= 1, got {window!r}.")
-    if warn_rate is not None and not 0 < warn_rate <= 1:
-      raise ValueError(
-          f"LossScaleMonitor: warn_rate must lie in (0, 1] or be None, got "
-          f"{warn_rate!r}; 0.1 warns when a tenth of the steps are skipped."
-      )
+    every = check_number("LossScaleMonitor", "every", every, integer=True,
+                         minimum=1, advice="100 reads the metrics every 100 steps.")
+    window = check_number("LossScaleMonitor", "window", window, integer=True,
+                          minimum=1, advice="1000 measures the overflow rate "
+                          "over the last 1000 steps.")
+    if warn_rate is not None:
+      warn_rate = check_number(
+          "LossScaleMonitor", "warn_rate", warn_rate, minimum=0,
+          exclusive_minimum=True, maximum=1,
+          advice="0.1 warns when a tenth of the steps are skipped; None never "
+          "warns.")
     self.every = every
     self.window = window
     self.warn_rate = warn_rate
@@ -86,14 +102,14 @@ class LossScaleMonitor:
 
     Args:
       step: the number of updates done so far (an int or a scalar array; an
-        array is read from the device).
+        array is read from the device; a stacked one must hold one value).
       x: an optimizer state holding a :func:`jaxmp.loss_scaling` state, or the
         dict returned by :func:`jaxmp.loss_scaling_metrics`.
 
     Returns:
       Whether a record was taken.
     """
-    step = int(np.asarray(jax.device_get(step)))
+    step = _host_step(step)
     if step % self.every:
       return False
     self.record(step, x)
@@ -104,31 +120,24 @@ class LossScaleMonitor:
 
     Raises:
       ValueError: if ``step`` is not after the last recorded step, or ``x``
-        holds no loss-scaling state.
+        holds no loss-scaling state (or is a metrics dict that lacks one).
+      TypeError: if ``step`` is not an integer.
     """
-    from jaxmp._src.loss_scaling import loss_scaling_metrics  # pylint: disable=g-import-not-at-top
-
-    step = int(np.asarray(jax.device_get(step)))
+    step = _host_step(step)
     if self.records and step <= self.records[-1].step:
       raise ValueError(
           f"LossScaleMonitor: step {step} is not after the last recorded step "
           f"{self.records[-1].step}; steps must increase."
       )
-    metrics = x if isinstance(x, dict) and "loss_scale" in x else loss_scaling_metrics(x)
-    keys = ("loss_scale", "skipped_steps", "last_finite", "overflows_at_min")
-    missing = [k for k in keys if k not in metrics]
-    if missing:
-      raise ValueError(
-          f"LossScaleMonitor: the metrics lack {missing}; pass the dict of "
-          "jaxmp.loss_scaling_metrics(opt_state) or the optimizer state."
-      )
-    values = jax.device_get({k: metrics[k] for k in keys})
+    values = metrics_on_host(x, MonitorRecord._fields[1:], "LossScaleMonitor")
+    # A stacked state (pmap replicas, vmapped runs) is recorded by its worst
+    # member in each field.
     record = MonitorRecord(
         step=step,
-        loss_scale=float(np.asarray(values["loss_scale"])),
-        skipped_steps=int(np.asarray(values["skipped_steps"])),
-        last_finite=bool(np.asarray(values["last_finite"])),
-        overflows_at_min=int(np.asarray(values["overflows_at_min"])),
+        loss_scale=float(np.min(values["loss_scale"])),
+        skipped_steps=int(np.max(values["skipped_steps"])),
+        last_finite=bool(np.all(values["last_finite"])),
+        overflows_at_min=int(np.max(values["overflows_at_min"])),
     )
     self.records.append(record)
     self._maybe_warn()
@@ -234,6 +243,10 @@ class LossScaleMonitor:
       ImportError: if matplotlib is not installed.
       ValueError: if nothing was recorded yet.
     """
+    if not self.records:
+      raise ValueError(
+          "LossScaleMonitor.plot: nothing recorded yet. Call "
+          "monitor.update(step, opt_state) after the updates first.")
     try:
       from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=g-import-not-at-top
       from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
@@ -241,8 +254,6 @@ class LossScaleMonitor:
       raise ImportError(
           "LossScaleMonitor.plot needs matplotlib: pip install 'jaxmp[examples]'"
       ) from e
-    if not self.records:
-      raise ValueError("LossScaleMonitor.plot: nothing recorded yet.")
     history = self.history
     steps = np.asarray(history["step"])
     skipped = np.asarray(history["skipped_steps"])
@@ -272,3 +283,14 @@ class LossScaleMonitor:
         f"LossScaleMonitor(every={self.every}, window={self.window}, "
         f"warn_rate={self.warn_rate}, records={len(self.records)})"
     )
+
+
+def _host_step(step: Any) -> int:
+  """``step`` as a Python int; a stacked step must agree across members."""
+  if isinstance(step, (jax.Array, np.ndarray)):
+    step = np.asarray(jax.device_get(step))
+    if step.ndim and step.size and np.all(step == step.flat[0]):
+      step = step.flat[0]  # a pmap-replicated step count
+  return check_number("LossScaleMonitor", "step", step, integer=True, minimum=0,
+                      advice="Pass the number of updates done so far, e.g. "
+                      "state.step.")

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src.loss_scale import LossScale
+
+_ARRAY_LEAVES = (jax.Array, np.ndarray, np.generic, int, float, complex, bool)
 
 
 def scaled_value_and_grad(
@@ -16,6 +20,7 @@ def scaled_value_and_grad(
     *,
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
+    value_and_grad: Callable[..., Any] = jax.value_and_grad,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, but differentiates the scaled loss.
 
@@ -24,15 +29,35 @@ def scaled_value_and_grad(
   JAX) and the gradients of the *scaled* loss, which is what
   :func:`loss_scaling` expects.
 
+  **Any value-and-grad.** ``value_and_grad`` is called as
+  ``value_and_grad(scaled_fun, has_aux=True)``, with ``argnums=argnums`` too
+  when it has an ``argnums`` parameter (``jax.value_and_grad``, Flax's
+  ``nnx.value_and_grad``), and must return a function giving ``((value, aux),
+  grads)``. ``eqx.filter_value_and_grad`` has no ``argnums``: it
+  differentiates the floating arrays of the first argument (an Equinox
+  module), so ``argnums`` must stay 0; to differentiate several objects, pass
+  them as a tuple in the first argument. Pass
+  ``value_and_grad=eqx.filter_value_and_grad`` whenever the differentiated
+  argument holds functions or other non-array leaves, as Equinox modules do.
+
   Args:
-    fun: the loss function; returns a scalar (and aux when ``has_aux``).
+    fun: the loss function; returns a floating-point scalar (and aux when
+      ``has_aux``).
     loss_scale: the current loss scale, e.g. ``jaxmp.get_loss_scale(opt_state)``.
     argnums: which positional arguments to differentiate.
     has_aux: whether ``fun`` returns ``(loss, aux)``.
+    value_and_grad: the value-and-grad transformation to use.
 
   Returns:
     A function with the signature of ``fun`` returning ``(loss, grads)`` or
     ``((loss, aux), grads)``.
+
+  Raises:
+    TypeError: if ``loss_scale`` is not a loss scale, if ``argnums`` is not 0
+      for a ``value_and_grad`` without ``argnums``; when called, if ``fun``
+      returns a non-scalar, integer or complex loss (``jax.value_and_grad``
+      refuses those too), or if a differentiated argument holds leaves that
+      are not arrays under the default ``jax.value_and_grad``.
 
   Example:
     >>> import jax.numpy as jnp, jaxmp
@@ -43,9 +68,42 @@ def scaled_value_and_grad(
     (5.0, Array([ 8., 16.], dtype=float32))
   """
   return scale_then_differentiate(
-      jax.value_and_grad, fun, loss_scale, argnums=argnums, has_aux=has_aux,
+      value_and_grad, fun, loss_scale, argnums=argnums, has_aux=has_aux,
       caller="scaled_value_and_grad",
       state_hint="With an optimizer state, pass jaxmp.get_loss_scale(opt_state).")
+
+
+def _takes_argnums(value_and_grad: Callable[..., Any]) -> bool:
+  try:
+    parameters = inspect.signature(value_and_grad).parameters
+  except (TypeError, ValueError):  # a callable without a signature
+    return True
+  return "argnums" in parameters
+
+
+def _name(fn: Callable[..., Any]) -> str:
+  module = getattr(fn, "__module__", "") or ""
+  name = getattr(fn, "__qualname__", None) or repr(fn)
+  return f"{module.split('.')[0]}.{name}" if module else name
+
+
+def _check_array_leaves(args: tuple[Any, ...], argnums: int | Sequence[int],
+                        caller: str) -> None:
+  """Refuses non-array leaves where ``jax.value_and_grad`` differentiates."""
+  for i in (argnums,) if isinstance(argnums, int) else tuple(argnums):
+    if not -len(args) <= i < len(args):
+      continue  # jax.value_and_grad explains a bad argnums itself
+    for path, leaf in jax.tree_util.tree_leaves_with_path(args[i]):
+      if not isinstance(leaf, _ARRAY_LEAVES):
+        raise TypeError(
+            f"{caller}: argument {i} holds a leaf that is not an array at "
+            f"{jax.tree_util.keystr(path) or 'its top'} (a "
+            f"{type(leaf).__name__}), which jax.value_and_grad cannot "
+            "differentiate. An Equinox module? Pass "
+            "value_and_grad=eqx.filter_value_and_grad, which differentiates "
+            "only the floating arrays of its first argument; otherwise move "
+            "the non-array parts into an argument that is not differentiated."
+        )
 
 
 def scale_then_differentiate(
@@ -58,7 +116,7 @@ def scale_then_differentiate(
     caller: str,
     state_hint: str,
 ) -> Callable[..., Any]:
-  """``value_and_grad`` (JAX's or NNX's) of ``loss_scale.scale(fun(...))``.
+  """``value_and_grad`` (JAX's, NNX's, Equinox's) of ``loss_scale.scale(fun(...))``.
 
   Returns the unscaled loss (with aux when ``has_aux``) and the gradients of
   the scaled loss. Shared by :func:`scaled_value_and_grad` and
@@ -68,6 +126,12 @@ def scale_then_differentiate(
     raise TypeError(
         f"{caller} expects a loss scale as its second argument, got a "
         f"{type(loss_scale).__name__}. {state_hint}"
+    )
+  if not callable(value_and_grad):
+    raise TypeError(
+        f"{caller}: value_and_grad must be a function such as "
+        f"jax.value_and_grad or eqx.filter_value_and_grad, got "
+        f"{value_and_grad!r}."
     )
 
   def scaled(*args, **kwargs):
@@ -86,11 +150,39 @@ def scale_then_differentiate(
           f"{caller} expects fun to return a scalar loss, got shape "
           f"{np.shape(loss)}. Reduce it first, e.g. with jnp.mean(...)."
       )
+    dtype = jnp.result_type(loss)
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+      raise TypeError(
+          f"{caller} expects fun to return a real floating-point loss, got "
+          f"dtype {dtype}: only its real part would be differentiated "
+          "(jax.value_and_grad refuses it too). Return a real loss, e.g. "
+          "jnp.abs(z) ** 2 or z.real."
+      )
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise TypeError(
+          f"{caller} expects fun to return a real floating-point loss, got "
+          f"dtype {dtype}, whose gradients are all zero (jax.value_and_grad "
+          "refuses it too). Compute the loss from floating values, e.g. "
+          "x.astype(jnp.float32)."
+      )
     return loss_scale.scale(loss), (loss, aux)
 
-  grad_fn = value_and_grad(scaled, argnums=argnums, has_aux=True)
+  if _takes_argnums(value_and_grad):
+    grad_fn = value_and_grad(scaled, argnums=argnums, has_aux=True)
+  elif argnums != 0:
+    raise TypeError(
+        f"{caller}(argnums={argnums!r}): {_name(value_and_grad)} takes no "
+        "argnums; it differentiates the first argument. Put what you "
+        "differentiate first (several objects as one tuple), and leave "
+        "argnums at 0."
+    )
+  else:
+    grad_fn = value_and_grad(scaled, has_aux=True)
+  check_leaves = value_and_grad is jax.value_and_grad
 
   def scaled_value_and_grad_fn(*args, **kwargs):
+    if check_leaves:
+      _check_array_leaves(args, argnums, caller)
     (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
     return ((loss, aux) if has_aux else loss), grads
 
