@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src.loss_scale import at_least_float32
 from jaxmp._src.policy import floating_dtype, is_floating_array
 
 _logger = logging.getLogger("jaxmp")
@@ -35,9 +36,7 @@ def _wide(x: jax.Array) -> jax.Array:
   """``x`` in at least float32 (float64 stays), magnitudes for complex."""
   if jnp.issubdtype(x.dtype, jnp.complexfloating):
     x = jnp.abs(x)
-  if x.dtype.itemsize < 4:
-    return x.astype(jnp.float32)
-  return x
+  return x.astype(at_least_float32(x.dtype))
 
 
 def nonfinite_paths(tree: Any) -> list[str]:

@@ -15,7 +15,7 @@ from flax.training import train_state
 from jaxmp._src.default_loss_scale import as_policy, default_loss_scale
 from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.loss_scaling import (
-  _find_states,
+  check_no_loss_scaling_state,
   get_loss_scale,
   loss_scaling,
   loss_scaling_metrics,
@@ -139,12 +139,10 @@ class TrainState(train_state.TrainState):
       )
     apply_fn = policy.wrap_apply(apply_fn)
     params = policy.params_for_storage(params)
-    if _find_states(jax.eval_shape(tx.init, params)):
-      raise ValueError(
-          "TrainState.create: tx is already wrapped with jaxmp.loss_scaling. "
-          "Pass the bare optimizer (e.g. optax.adamw(1e-3)) and the loss scale "
-          "as loss_scale=...; create wraps it for you."
-      )
+    check_no_loss_scaling_state(
+        jax.eval_shape(tx.init, params), owner="TrainState.create",
+        subject="tx", fix="Pass the bare optimizer (e.g. optax.adamw(1e-3)) "
+        "and the loss scale as loss_scale=...; create wraps it for you.")
     tx = loss_scaling(tx, loss_scale, axis_name=axis_name)
     return cls(
         step=jnp.zeros([], jnp.int32),
