@@ -484,3 +484,162 @@ def test_while_loop_and_cond():
   assert set(dot_dtypes(jaxpr)) == {(BF16, BF16)}
   assert fast(x).dtype == F32
   np.testing.assert_allclose(fast(x), f(x), rtol=3e-2)
+
+
+# -- Tracing once, casting once ---------------------------------------------------------
+
+
+class TracingTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_no_retrace_on_the_second_call(self):
+    chex.clear_trace_counter()  # the variants share chex's counter
+
+    @chex.assert_max_traces(n=1)
+    def loss(params, x):
+      return small_loss(params, x)
+
+    step = self.variant(jax.value_and_grad(jaxmp.autocast(loss, "mixed_bfloat16")))
+    params, x = small_params(), jnp.ones((2, 8))
+    first = step(params, x)
+    second = step(params, x + 1.0)
+    assert first[0].dtype == second[0].dtype == F32
+    assert float(first[0]) != float(second[0])
+
+
+def test_another_shape_traces_again():
+  traces = []
+
+  def f(x):
+    traces.append(x.shape)
+    return jnp.sum(x @ x.T)
+
+  fast = jaxmp.autocast(f, "mixed_bfloat16")
+  fast(jnp.ones((2, 3)))
+  fast(jnp.ones((2, 3)))
+  fast(jnp.ones((4, 3)))
+  assert traces == [(2, 3), (4, 3)]
+
+
+def test_each_param_is_cast_once_however_often_it_is_used():
+  w = jnp.ones((8, 8), jnp.float32)
+
+  def loss(params, x):
+    for _ in range(4):  # the same kernel in four layers, and its bias
+      x = jnp.tanh(x @ params["w"] + params["b"])
+    return jnp.sum(x @ params["w"].T)  # and transposed
+
+  params, x = {"w": w, "b": jnp.zeros(8)}, jnp.ones((2, 8))
+  fast = jaxmp.autocast(loss, "mixed_bfloat16")
+  for jaxpr in (jax.make_jaxpr(fast)(params, x),
+                jax.make_jaxpr(jax.value_and_grad(fast))(params, x)):
+    inputs = set(jaxpr.jaxpr.invars)
+    casts = [(e.invars[0], e.params["new_dtype"]) for e in all_eqns(jaxpr)
+             if e.primitive.name == "convert_element_type" and e.invars[0] in inputs]
+    # w and x once each. The bias is cast after its broadcast (which fuses
+    # into the add), so that its gradient is summed over the batch in float32.
+    assert len(casts) == len(set(casts)) == 2
+  bias_sums = [in_dtypes(e) for e in all_eqns(jaxpr) if e.primitive.name == "reduce_sum"
+               and e.outvars[0].aval.shape == (8,)]
+  # Over the batch and over the broadcast's leading 1, for each of the 4 uses.
+  assert bias_sums == [(F32,)] * 8
+  # The same in the program XLA receives: one convert per argument.
+  text = jax.jit(jax.grad(fast)).lower(params, x).as_text()
+  converted = re.findall(r"stablehlo\.convert (%arg\d+)", text)
+  assert sorted(converted) == sorted(set(converted)) and len(converted) == 2
+
+
+# -- Configuration ----------------------------------------------------------------------
+
+
+def test_the_rule_table_can_be_overridden_per_primitive():
+  params, x = small_params(), jnp.ones((2, 8))
+  default = jax.make_jaxpr(jaxmp.autocast(small_loss, "mixed_bfloat16"))(params, x)
+  assert set(dot_dtypes(default)) == {(BF16, BF16)}
+  assert dtypes_of(default, "exp") == [{F32}]
+  f32_matmuls = jax.make_jaxpr(jaxmp.autocast(
+      small_loss, "mixed_bfloat16", rules={"dot_general": "float32"}))(params, x)
+  assert set(dot_dtypes(f32_matmuls)) == {(F32, F32)}
+  half_exp = jax.make_jaxpr(jaxmp.autocast(
+      small_loss, "mixed_bfloat16", rules={"exp": "promote"}))(params, x)
+  assert dtypes_of(half_exp, "exp") == [{BF16}]
+  assert exp_arguments(half_exp) == [{BF16}]  # the shift follows exp's rule
+  # A primitive object names a primitive too.
+  as_object = jaxmp.autocast_rules({jax.lax.exp_p: "promote"})
+  assert as_object["exp"] == "promote"
+  assert jaxmp.autocast_rules()["exp"] == "float32"  # the default is untouched
+
+
+def test_a_scope_can_be_pinned_to_float32():
+  loss_fn, params, batch = transformer_and_loss()
+  pinned = jaxmp.autocast(loss_fn, "mixed_bfloat16", scope_policies={
+      "head": "float32", r"Block_1/LayerNorm_\d+": "float32"})
+  jaxpr = jax.make_jaxpr(pinned)(params, batch)
+
+  def under(scope):
+    return [e for e in all_eqns(jaxpr)
+            if scope in str(e.source_info.name_stack).split("/")]
+
+  head = [e for e in under("head") if e.primitive.name == "dot_general"]
+  assert [in_dtypes(e) for e in head] == [(F32, F32)]
+  # Everything in the pinned layer norms computes in float32 (the bf16
+  # activations coming in are cast); the rest in bf16.
+  norms = [e for e in under("Block_1")
+           if re.search(r"LayerNorm_\d", str(e.source_info.name_stack))]
+  assert len(norms) > 20
+  assert {np.dtype(v.aval.dtype) for e in norms for v in e.outvars} == {F32}
+  assert dot_dtypes(jaxpr).count((BF16, BF16)) == 16
+  assert jax.grad(pinned)(params, batch)["head"]["kernel"].dtype == F32
+
+
+def test_outputs_are_in_the_output_dtype():
+  def f(x):
+    return {"half": x @ x.T, "int": jnp.argmax(x), "loss": jnp.sum(x)}
+
+  x = jnp.ones((2, 2))
+  out = jaxmp.autocast(f, "mixed_bfloat16")(x)
+  assert (out["half"].dtype, out["int"].dtype, out["loss"].dtype) == (
+      F32, np.dtype(jnp.int32), F32)
+  assert jaxmp.autocast(f, "bf16")(x)["half"].dtype == BF16
+  policy = jaxmp.Policy(jnp.float32, jnp.float16, jnp.float16)
+  assert jaxmp.autocast(f, policy)(x)["loss"].dtype == F16
+
+
+def test_non_array_arguments_are_static_and_a_decorator_works():
+  @jaxmp.autocast(policy="mixed_bfloat16")
+  def scaled(x, factor, *, activation):
+    return activation(x @ x.T) * factor
+
+  x = jnp.ones((2, 2))
+  assert float(scaled(x, 3, activation=jnp.tanh)[0, 0]) == pytest.approx(
+      3 * np.tanh(2.0), rel=1e-2)
+  assert scaled.__name__ == "scaled"
+  assert list(__import__("inspect").signature(scaled).parameters) == [
+      "x", "factor", "activation"]
+
+
+# -- Transformations -------------------------------------------------------------------
+
+
+def test_vmap_and_sharded_jit():
+  params, x = small_params(), jnp.asarray(
+      np.random.default_rng(0).normal(size=(8, 8)), jnp.float32)
+  fast = jaxmp.autocast(small_loss, "mixed_bfloat16")
+  per_example = jax.vmap(fast, in_axes=(None, 0))(params, x[:, None])
+  np.testing.assert_allclose(
+      per_example, [fast(params, row[None]) for row in x], rtol=1e-6)
+  inside = jaxmp.autocast(jax.vmap(small_loss, in_axes=(None, 0)), "mixed_bfloat16")
+  np.testing.assert_allclose(inside(params, x[:, None]), per_example, rtol=1e-6)
+
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("data",))
+  sharded_x = jax.device_put(
+      x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+  step = jax.jit(jax.value_and_grad(fast))
+  loss, grads = step(params, sharded_x)
+  want_loss, want_grads = step(params, x)  # one device
+  # (Sums over 8 shards are added in another order.)
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-4)
+  chex.assert_trees_all_close(grads, want_grads, rtol=1e-3, atol=1e-5)
+  chex.assert_trees_all_equal_dtypes(grads, params)
+  lowered = step.lower(params, sharded_x).as_text()
+  assert "bf16" in lowered and "sharding" in lowered

@@ -40,6 +40,25 @@ _FLOAT32 = np.dtype(jnp.float32)
 _CACHE_SIZE = 32
 # How often the carry dtypes of a loop are re-derived before they are fixed.
 _CARRY_ROUNDS = 4
+# Operations that only move the values of one floating input, and whose
+# transposes only move them back: casting their output is casting their input
+# first, exactly, forward and backward. A flexible value made by one of them (a
+# transposed or reshaped kernel) is cast at its source, so each param is cast
+# once however it is reshaped. Broadcasts and gathers are not among them: their
+# transposes sum (a bias's gradient over the batch, an embedding's over the
+# tokens), and casting after them keeps those sums in float32.
+_MOVEMENTS = frozenset({
+    "reshape", "transpose", "squeeze", "slice", "dynamic_slice", "rev", "copy",
+})
+# Elementwise operations that broadcast size-1 dimensions of their inputs. A
+# flexible input they broadcast (a bias, a layer norm's scale) is broadcast to
+# the full shape before it is cast: the cast fuses into the operation, and the
+# gradient of the param, a sum over the broadcast dimensions, is summed in its
+# own dtype (float32) rather than in the compute dtype.
+_BROADCASTING = frozenset({
+    "add", "add_any", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem",
+    "nextafter", "select_n", "clamp",
+})
 
 
 def _is_floating(dtype: Any) -> bool:
@@ -157,6 +176,8 @@ class _Evaluator:
     self.scopes = scopes
     # (id(value), dtype) -> (value, its cast): each value is cast once per dtype.
     self._casts: dict[tuple[int, np.dtype], tuple[Any, Any]] = {}
+    # id(value) -> how a movement made it from a flexible value (see _MOVEMENTS).
+    self._moved: dict[int, tuple[Any, ...]] = {}
 
   def child(self) -> "_Evaluator":
     """An evaluator for a program traced at another level (a loop body)."""
@@ -168,7 +189,14 @@ class _Evaluator:
       return value
     key = (id(value), dtype)
     if key not in self._casts:
-      self._casts[key] = (value, lax.convert_element_type(value, dtype))
+      if id(value) in self._moved:
+        _, primitive, bind_params, inputs, index = self._moved[id(value)]
+        inputs = list(inputs)
+        inputs[index] = self.cast(inputs[index], dtype)
+        cast = primitive.bind(*inputs, **bind_params)
+      else:
+        cast = lax.convert_element_type(value, dtype)
+      self._casts[key] = (value, cast)
     return self._casts[key][1]
 
   # -- Programs ----------------------------------------------------------------
@@ -248,9 +276,20 @@ class _Evaluator:
     """Casts the inputs of ``eqn`` by rule ``kind`` and binds its primitive."""
     floor = policy.compute_dtype if pinned else None
     targets = self._targets(kind, eqn, values, flags, policy, floor)
-    values = [
-        self.cast(v, t) if t is not None else v for v, t in zip(values, targets)
-    ]
+    out_shape = tuple(eqn.outvars[0].aval.shape) if eqn.outvars else ()
+    broadcasts = kind == "promote" and eqn.primitive.name in _BROADCASTING
+    cast_values = []
+    for v, t, f in zip(values, targets, flags):
+      shape = jnp.shape(v)
+      if t is None or t == jnp.result_type(v):
+        cast_values.append(v)
+      elif (broadcasts and f and shape != out_shape
+            and len(shape) == len(out_shape)):
+        full = lax.broadcast_in_dim(v, out_shape, tuple(range(len(out_shape))))
+        cast_values.append(lax.convert_element_type(full, t))
+      else:
+        cast_values.append(self.cast(v, t))
+    values = cast_values
     params = dict(eqn.params)
     if kind != "original" and _is_floating(params.get("preferred_element_type")):
       dtypes = [v.dtype for v in values if _is_floating(jnp.result_type(v))]
@@ -266,6 +305,12 @@ class _Evaluator:
       is_flexible = all(floating_inputs)
       if eqn.primitive.name == "convert_element_type" and floating_inputs:
         is_flexible = False  # an explicit cast between floating dtypes
+      if (is_flexible and len(floating_inputs) == 1 and len(outs) == 1
+          and eqn.primitive.name in _MOVEMENTS):
+        index = next(i for i, v in enumerate(values)
+                     if _is_floating(jnp.result_type(v)))
+        self._moved[id(outs[0])] = (
+            outs[0], eqn.primitive, bind_params, tuple(values), index)
     else:
       is_flexible = False
     return outs, [is_flexible] * len(outs)
