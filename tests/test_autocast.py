@@ -643,3 +643,36 @@ def test_vmap_and_sharded_jit():
   chex.assert_trees_all_equal_dtypes(grads, params)
   lowered = step.lower(params, sharded_x).as_text()
   assert "bf16" in lowered and "sharding" in lowered
+
+
+# -- The benchmark and the docs ----------------------------------------------------
+
+
+def test_the_benchmark_meets_the_bytes_goal_in_a_reduced_configuration():
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  import autocast as benchmark  # pylint: disable=import-outside-toplevel
+
+  args = benchmark.build_parser().parse_args([
+      "--d-model", "128", "--layers", "1", "--heads", "4", "--seq-len", "128",
+      "--batch-size", "8"])
+  figures = benchmark.compiler_figures(
+      args, (benchmark.TARGET, benchmark.AUTOCAST), dumps=False)
+  ours, target = figures[benchmark.AUTOCAST], figures[benchmark.TARGET]
+  # Compiler figures only (deterministic); times are never asserted.
+  assert ours["bytes_accessed"] <= benchmark.BYTES_TARGET * target["bytes_accessed"]
+  assert ours["temp_bytes"] <= target["temp_bytes"]
+  assert ours["bf16_matmuls"] == ours["matmuls"] == 15
+  assert target["bf16_matmuls"] == 12
+  assert ours["repeated_param_casts"] == 0
+
+
+def test_the_docs_publish_the_rule_table():
+  page = (ROOT / "docs" / "autocast.md").read_text(encoding="utf-8")
+  rows = re.findall(
+      r"^\| `(compute|float32|promote|as_is|original)` \| ([^|]*) \|", page, re.MULTILINE)
+  published = {}
+  for kind, names in rows:
+    for name in re.findall(r"`([\w\-]+)`", names):
+      assert name not in published, name  # each primitive once
+      published[name] = kind
+  assert published == jaxmp.autocast_rules()

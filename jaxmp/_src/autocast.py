@@ -115,7 +115,14 @@ def _check_scope_key(key: Any) -> None:
         f"'LayerNorm_\\d+' or 'head') to policies; got the key {key!r} of type "
         f"{type(key).__name__}."
     )
-  check_pattern("jaxmp.autocast scope_policies", key)
+  try:
+    check_pattern("jaxmp.autocast scope_policies", key)
+  except ValueError as e:
+    raise ValueError(
+        f"{e} Patterns are regular expressions matched against whole scope "
+        "names or paths, e.g. 'head' or 'Block_0/LayerNorm_\\d+'; wrap a "
+        "literal name in re.escape(...)."
+    ) from None
 
 
 class _ScopePolicies:
