@@ -333,9 +333,12 @@ class _Evaluator:
           for atom, d, f in zip(eqn.invars, dtypes, floating)
       ]
     if kind == "compute":
+      # float8 inputs (deliberately quantized) are left alone, except in a
+      # pinned scope, where everything runs in at least its compute dtype.
       compute = policy.compute_dtype
       return [
-          compute if f and np.dtype(d).itemsize >= compute.itemsize else None
+          compute if f and (floor is not None or np.dtype(d).itemsize > 1
+                            or compute.itemsize == 1) else None
           for d, f in zip(dtypes, floating)
       ]
     if kind == "float32":
@@ -436,6 +439,15 @@ def _cast_all(evaluator, values, dtypes):
   ]
 
 
+def _split(seq, *sizes):
+  """``seq`` cut into pieces of ``sizes``, and the rest."""
+  pieces, start = [], 0
+  for size in sizes:
+    pieces.append(list(seq[start:start + size]))
+    start += size
+  return [*pieces, list(seq[start:])]
+
+
 def _shape_dtype(values, dtypes):
   return [jax.ShapeDtypeStruct(jnp.shape(v), d) for v, d in zip(values, dtypes)]
 
@@ -443,8 +455,8 @@ def _shape_dtype(values, dtypes):
 def _scan(evaluator, eqn, values, flags, scopes):
   p = eqn.params
   n_consts, n_carry = p["num_consts"], p["num_carry"]
-  consts, init, xs = values[:n_consts], values[n_consts:n_consts + n_carry], values[n_consts + n_carry:]
-  c_flags, i_flags, x_flags = flags[:n_consts], flags[n_consts:n_consts + n_carry], flags[n_consts + n_carry:]
+  consts, init, xs = _split(values, n_consts, n_carry)
+  c_flags, i_flags, x_flags = _split(flags, n_consts, n_carry)
   closed = p["jaxpr"]
 
   def make_body(carry_flags, carry_dtypes, record):
@@ -462,7 +474,9 @@ def _scan(evaluator, eqn, values, flags, scopes):
 
   def step(dtypes, carry_flags):
     record = {}
-    x_slices = [jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)) for x in xs]
+    x_slices = [
+        jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)) for x in xs
+    ]
     carry_shape, _ = jax.eval_shape(
         make_body(carry_flags, None, record), _shape_dtype(init, dtypes), x_slices
     )
@@ -481,8 +495,8 @@ def _scan(evaluator, eqn, values, flags, scopes):
 def _while(evaluator, eqn, values, flags, scopes):
   p = eqn.params
   n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
-  cond_consts, body_consts, init = values[:n_cond], values[n_cond:n_cond + n_body], values[n_cond + n_body:]
-  cc_flags, bc_flags, i_flags = flags[:n_cond], flags[n_cond:n_cond + n_body], flags[n_cond + n_body:]
+  cond_consts, body_consts, init = _split(values, n_cond, n_body)
+  cc_flags, bc_flags, i_flags = _split(flags, n_cond, n_body)
 
   def make_body(carry_flags, carry_dtypes, record):
     def body(carry):
@@ -695,8 +709,10 @@ def autocast(
     >>> def loss(x):
     ...   return jax.nn.log_softmax(x @ w).sum()
     >>> fast_loss = jaxmp.autocast(loss, "mixed_bfloat16")
-    >>> print(jax.make_jaxpr(fast_loss)(jnp.ones((2, 4))).jaxpr.eqns[2])
-    d:bf16[2,4] = dot_general[...] b c
+    >>> jaxpr = jax.make_jaxpr(fast_loss)(jnp.ones((2, 4)))
+    >>> [[str(v.aval) for v in eqn.invars] for eqn in jaxpr.eqns
+    ...  if eqn.primitive.name == "dot_general"]
+    [['bfloat16[2,4]', 'bfloat16[4,4]']]
     >>> fast_loss(jnp.ones((2, 4))).dtype
     dtype('float32')
   """

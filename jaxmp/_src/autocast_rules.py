@@ -71,6 +71,7 @@ DEFAULT_RULES: Mapping[str, str] = types.MappingProxyType(_table(
         "pow", "integer_pow", "square", "sqrt", "rsqrt", "cbrt",
         # Reductions and scans that accumulate.
         "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
+        "reduce_window_sum",
         # Special functions.
         "erf", "erfc", "erf_inv", "lgamma", "digamma", "polygamma", "zeta",
         "igamma", "igammac", "igamma_grad_a",
@@ -101,7 +102,7 @@ DEFAULT_RULES: Mapping[str, str] = types.MappingProxyType(_table(
         # Reductions that do not accumulate (exact in any dtype).
         "reduce_max", "reduce_min", "argmax", "argmin", "cummax", "cummin",
         "reduce_and", "reduce_or", "reduce_xor", "reduce_window_max",
-        "reduce_window_min", "reduce_window_sum",
+        "reduce_window_min",
         "sort", "top_k", "approx_top_k",
         # Random numbers and constants.
         "iota", "rng_uniform", "random_bits", "random_seed", "random_wrap",
