@@ -661,8 +661,8 @@ def test_the_benchmark_meets_the_bytes_goal_in_a_reduced_configuration():
   # Compiler figures only (deterministic); times are never asserted.
   assert ours["bytes_accessed"] <= benchmark.BYTES_TARGET * target["bytes_accessed"]
   assert ours["temp_bytes"] <= target["temp_bytes"]
-  assert ours["bf16_matmuls"] == ours["matmuls"] == 15
-  assert target["bf16_matmuls"] == 12
+  assert ours["bf16_matmuls"] == ours["matmuls"] == 27  # 9 forward, 18 backward
+  assert target["bf16_matmuls"] == 24  # not the einsums of f32 attention weights
   assert ours["repeated_param_casts"] == 0
 
 
