@@ -6,6 +6,8 @@ live in :mod:`jaxmp.flax`.
 """
 
 from jaxmp._src.accumulation import multi_steps
+from jaxmp._src.autocast import autocast
+from jaxmp._src.autocast_rules import autocast_rules
 from jaxmp._src.checks import LossScaleAtMinimumError, check_loss_scale
 from jaxmp._src.deepspeed import from_deepspeed_config
 from jaxmp._src.default_loss_scale import default_loss_scale
@@ -65,6 +67,9 @@ __all__ = [
     "cast_to_half",
     "hardware_report",
     "HardwareReport",
+    # Automatic mixed precision.
+    "autocast",
+    "autocast_rules",
     # Loss scales.
     "LossScale",
     "NoOpLossScale",

@@ -9,6 +9,8 @@ PUBLIC = {
     # Policies.
     "Policy", "get_policy", "auto_policy", "half_dtype", "cast_to_full",
     "cast_to_half", "hardware_report", "HardwareReport", "PathPolicy",
+    # Automatic mixed precision.
+    "autocast", "autocast_rules",
     # Loss scales.
     "LossScale", "NoOpLossScale", "StaticLossScale", "DynamicLossScale",
     "default_loss_scale", "all_finite", "select_tree",
