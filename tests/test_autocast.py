@@ -21,6 +21,7 @@ import pytest
 from jax.extend import core as jax_core
 
 import jaxmp
+import jaxmp.flax
 
 BF16 = np.dtype(jnp.bfloat16)
 F16 = np.dtype(jnp.float16)
@@ -676,3 +677,70 @@ def test_the_docs_publish_the_rule_table():
       assert name not in published, name  # each primitive once
       published[name] = kind
   assert published == jaxmp.autocast_rules()
+
+
+# -- TrainState.create(..., autocast=True) ------------------------------------
+
+
+class _DeclaredFloat32Mlp(nn.Module):
+  """Layers that declare dtype=float32, as Flax's published models do."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(16, dtype=jnp.float32, name="hidden")(x))
+    x = nn.LayerNorm(dtype=jnp.float32)(x)
+    return nn.Dense(4, dtype=jnp.float32, name="head")(x)
+
+
+def _autocast_state(policy):
+  model = _DeclaredFloat32Mlp()
+  x = jnp.ones((8, 3), jnp.float32)
+  params = model.init(jax.random.key(0), x)["params"]
+  state = jaxmp.flax.TrainState.create(
+      apply_fn=model.apply, params=params, tx=optax.adam(1e-2), policy=policy,
+      loss_scale=jaxmp.DynamicLossScale(2.0**8), autocast=True)
+  return state, x
+
+
+def _loss(state):
+  def loss_fn(params, x):
+    return jnp.mean(state.apply_fn({"params": params}, x) ** 2)
+  return loss_fn
+
+
+def test_train_state_autocast_wins_over_the_models_declared_dtype():
+  state, x = _autocast_state("mixed_bfloat16")
+  grad_fn = state.value_and_grad(_loss(state))
+  report = jaxmp.precision_report(grad_fn, state.params, x)
+  dtypes = {op.inputs for op in report.ops}
+  assert dtypes == {("bfloat16", "bfloat16")}, str(report)
+  loss, grads = jax.jit(grad_fn)(state.params, x)
+  assert loss.dtype == jnp.float32
+  assert {g.dtype for g in jax.tree_util.tree_leaves(grads)} == {np.dtype(jnp.float32)}
+
+
+def test_train_state_autocast_keeps_a_module_pinned_by_a_module_policy():
+  policy = jaxmp.flax.ModulePolicy({"head": "float32"}, default="mixed_bfloat16")
+  state, x = _autocast_state(policy)
+  report = jaxmp.precision_report(state.value_and_grad(_loss(state)), state.params, x)
+  forward = [op for op in report.ops if op.direction == "forward"]
+  head = [op.inputs for op in forward if "head" in (op.module or "")]
+  rest = [op.inputs for op in forward if "head" not in (op.module or "")]
+  assert head == [("float32", "float32")], str(report)
+  assert rest and set(rest) == {("bfloat16", "bfloat16")}, str(report)
+
+
+def test_train_state_autocast_trains_and_skips_an_inf_step():
+  state, x = _autocast_state("mixed_float16")
+
+  @jax.jit
+  def step(state, x):
+    loss, grads = state.value_and_grad(_loss(state))(state.params, x)
+    return state.apply_gradients(grads=grads), loss
+
+  state, loss = step(state, x)
+  assert bool(jnp.isfinite(loss)) and int(state.metrics["skipped_steps"]) == 0
+  before = state.params
+  state, _ = step(state, x.at[0, 0].set(jnp.inf))
+  assert int(state.metrics["skipped_steps"]) == 1
+  chex.assert_trees_all_equal(state.params, before)

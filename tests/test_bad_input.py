@@ -732,6 +732,18 @@ CASES = [
          lambda: jaxmp.precision_report(jnp.dot, jnp.ones(2), jnp.ones(2)).ops_outside(
              "f17"), ValueError, r"Unknown dtype 'f17'", VALID_DTYPES),
     # -- autocast -------------------------------------------------------------------
+    Case("TrainState.create: autocast with a PathPolicy",
+         lambda: jaxmp.flax.TrainState.create(
+             apply_fn=lambda v, x: x, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1),
+             policy=jaxmp.PathPolicy({"w": "f32"}, default="mixed_bfloat16"),
+             autocast=True), ValueError,
+         r"PathPolicy: autocast casts the inputs of each operation, not each parameter",
+         r"Pin modules with a jaxmp\.flax\.ModulePolicy.*or drop autocast=True"),
+    Case("TrainState.create: autocast not a bool",
+         lambda: jaxmp.flax.TrainState.create(
+             apply_fn=lambda v, x: x, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1),
+             autocast="yes"), TypeError,
+         r"TrainState.create: autocast must be True or False, got 'yes'", r"True or False"),
     Case("autocast: not a function",
          lambda: jaxmp.autocast("mixed_bfloat16"), TypeError,
          r"expects a function, got 'mixed_bfloat16'",

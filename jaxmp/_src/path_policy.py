@@ -224,6 +224,19 @@ class PathPolicy:
     """Casts each param to its policy's ``compute_dtype``."""
     return self.cast_to_compute(params)
 
+  def for_autocast(self) -> tuple[Any, Any]:
+    """Refused: autocast casts operations, not parameters.
+
+    Raises:
+      ValueError: always; the message names the alternatives.
+    """
+    raise ValueError(
+        "PathPolicy: autocast casts the inputs of each operation, not each "
+        "parameter, so per-parameter rules cannot apply under autocast. Pin "
+        "modules with a jaxmp.flax.ModulePolicy (its rules become autocast "
+        "scopes), or drop autocast=True to cast the params path by path."
+    )
+
   def wrap_apply(self, apply_fn: Callable[..., Any]) -> Callable[..., Any]:
     """Returns ``apply_fn`` (e.g. a Linen ``model.apply``) running under the policy.
 

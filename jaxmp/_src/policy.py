@@ -272,6 +272,15 @@ class PolicyLike(Protocol):
     """``apply_fn`` (e.g. a Linen ``model.apply``) running under the policy."""
     ...
 
+  def for_autocast(self) -> tuple[Any, Any]:
+    """``(policy, scope_policies)`` for :func:`jaxmp.autocast`.
+
+    The policy to run the model under when each operation is cast by
+    ``jaxmp.autocast``, and the scope patterns (or ``None``) that keep the
+    policy's pinned parts in their own precision.
+    """
+    ...
+
 
 def returns_collections(apply_kwargs: Mapping[str, Any]) -> bool:
   """Whether a Linen ``apply`` called with ``apply_kwargs`` returns a pair.
@@ -429,6 +438,10 @@ class Policy:
   def params_for_compute(self, params: Any) -> Any:
     """Casts the params to ``compute_dtype`` for the forward pass."""
     return self.cast_to_compute(params)
+
+  def for_autocast(self) -> tuple[Policy, None]:
+    """``(self, None)``: one policy everywhere, no scopes to pin."""
+    return self, None
 
   def wrap_apply(self, apply_fn: Callable[..., Any]) -> Callable[..., Any]:
     """Returns ``apply_fn`` (e.g. a Linen ``model.apply``) running under the policy.

@@ -11,6 +11,7 @@ applied to a Linen model's ``apply`` with :meth:`ModulePolicy.wrap_apply` (an
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 import threading
@@ -213,6 +214,7 @@ class ModulePolicy:
 
   table: RuleTable
   override_dtype: bool | tuple[type, ...]
+  tag_scopes: bool
 
   def __init__(
       self,
@@ -227,6 +229,8 @@ class ModulePolicy:
         key_description="module class or name pattern", key_repr=_key_repr,
         exclusive_hint=" (a class and a name that cover the same module overlap)"))
     object.__setattr__(self, "override_dtype", _check_override_dtype(override_dtype))
+    # Set by for_autocast: matched modules run inside a named scope per policy.
+    object.__setattr__(self, "tag_scopes", False)
 
   @property
   def rules(self) -> tuple[tuple[Any, Policy], ...]:
@@ -304,6 +308,26 @@ class ModulePolicy:
 
   # Linen.
 
+  def _scope_tags(self) -> dict[Policy, str]:
+    """A name-scope tag for each distinct policy of the rules."""
+    tags: dict[Policy, str] = {}
+    for _, policy in self.table.rules:
+      tags.setdefault(policy, f"jaxmp_policy_{len(tags)}")
+    return tags
+
+  def for_autocast(self) -> tuple[ModulePolicy, dict[str, Policy]]:
+    """``(policy, scope_policies)`` for :func:`jaxmp.autocast`.
+
+    The returned copy runs each module a rule matches inside a
+    ``jax.named_scope`` that names its policy, and ``scope_policies`` maps
+    those scopes to the policies, so a module pinned to float32 stays in
+    float32 under autocast while the rest follows ``default``.
+    """
+    tagged = copy.copy(self)
+    object.__setattr__(tagged, "tag_scopes", True)
+    scopes = {re.escape(tag): policy for policy, tag in self._scope_tags().items()}
+    return tagged, scopes
+
   def _intercept(self, next_fun, args, kwargs, context):
     module = context.module
     scope = module.scope
@@ -328,7 +352,11 @@ class ModulePolicy:
       if policy is None or context.method_name == "setup":
         return next_fun(*args, **kwargs)
       args, kwargs = policy.cast_to_compute((args, kwargs))
-      out = next_fun(*args, **kwargs)
+      if own is not None and self.tag_scopes:
+        with jax.named_scope(self._scope_tags()[own]):
+          out = next_fun(*args, **kwargs)
+      else:
+        out = next_fun(*args, **kwargs)
     finally:
       stack.pop()
       if override:

@@ -12,6 +12,7 @@ import optax
 from flax import struct
 from flax.training import train_state
 
+from jaxmp._src.autocast import autocast
 from jaxmp._src.default_loss_scale import as_policy, default_loss_scale
 from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.loss_scaling import (
@@ -21,6 +22,7 @@ from jaxmp._src.loss_scaling import (
   loss_scaling_metrics,
 )
 from jaxmp._src.precision_audit import warn_on_first_trace
+from jaxmp._src.validation import check_bool
 from jaxmp._src.value_and_grad import scaled_value_and_grad
 
 
@@ -72,6 +74,7 @@ class TrainState(train_state.TrainState):
   """
 
   policy: Any = struct.field(pytree_node=False, default=None, kw_only=True)
+  autocast: bool = struct.field(pytree_node=False, default=False, kw_only=True)
 
   @classmethod
   def create(
@@ -83,6 +86,7 @@ class TrainState(train_state.TrainState):
       policy: Any = "float32",
       loss_scale: LossScale | None = None,
       axis_name: Hashable | None = None,
+      autocast: bool = False,
       **kwargs,
   ) -> "TrainState":
     """Creates a state with ``step=0``; wraps ``tx`` with loss scaling.
@@ -109,6 +113,12 @@ class TrainState(train_state.TrainState):
         names) over which the batch is split; passed to
         :func:`jaxmp.loss_scaling`, so that all devices agree on skipping.
         Not needed under plain ``jit``.
+      autocast: run the loss under :func:`jaxmp.autocast`, which casts the
+        inputs of each operation (matmuls and convolutions in the compute
+        dtype, range-sensitive operations in float32) whatever dtype the
+        model declares. With a :class:`jaxmp.flax.ModulePolicy`, the modules
+        its rules match keep their own policy; a :class:`jaxmp.PathPolicy`
+        is refused (autocast casts operations, not parameters).
       **kwargs: further fields of a subclass (``batch_stats=...``), as in
         Flax.
 
@@ -124,6 +134,8 @@ class TrainState(train_state.TrainState):
     """
     policy = as_policy(policy)
     policy.io_policy  # pylint: disable=pointless-statement  # raises without a default
+    if check_bool("TrainState.create", "autocast", autocast):
+      policy, _ = policy.for_autocast()
     if not (hasattr(tx, "init") and hasattr(tx, "update")):
       raise TypeError(
           "TrainState.create: tx must be an optax.GradientTransformation such "
@@ -151,6 +163,7 @@ class TrainState(train_state.TrainState):
         tx=tx,
         opt_state=tx.init(params),
         policy=policy,
+        autocast=autocast,
         **kwargs,
     )
 
@@ -273,6 +286,15 @@ class TrainState(train_state.TrainState):
       params = policy.params_for_compute(params)
       args, kwargs = io_policy.cast_to_compute((args, kwargs))
       return io_policy.cast_to_output(loss_fn(params, *args, **kwargs))
+
+    if self.autocast:
+      # Each operation is cast by its rule: the float32 master params and the
+      # inputs go in as they are (docs/autocast.md).
+      _, scopes = policy.for_autocast()
+      cast_loss = autocast(loss_fn, io_policy, scope_policies=scopes)
+
+      def run(params, *args, **kwargs):  # noqa: F811
+        return io_policy.cast_to_output(cast_loss(params, *args, **kwargs))
 
     grad_fn = scaled_value_and_grad(run, self.loss_scale, has_aux=has_aux)
     # At trace time, once per compilation: warn if the policy does not take
