@@ -26,9 +26,9 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import jax
 import jax.extend.core as jex_core
-from jax.extend import source_info_util
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import source_info_util
 
 from jaxmp._src.policy import parse_dtype
 

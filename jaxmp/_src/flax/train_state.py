@@ -14,6 +14,7 @@ from flax.training import train_state
 
 from jaxmp._src.autocast import autocast
 from jaxmp._src.default_loss_scale import as_policy, default_loss_scale
+from jaxmp._src.inplace_select import check_same_structure
 from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.loss_scaling import (
   check_no_loss_scaling_state,
@@ -306,28 +307,18 @@ class TrainState(train_state.TrainState):
 
 def _keep_on_skip(finite: jax.Array, new: Any, old: Any, owner: str) -> Any:
   """``new`` where ``finite``, else ``old``, leaf by leaf, in ``old``'s dtypes."""
-  new_structure = jax.tree_util.tree_structure(new)
-  old_structure = jax.tree_util.tree_structure(old)
-  if new_structure != old_structure:
-    raise ValueError(
-        f"{owner}: the new value has the tree structure {new_structure}, but "
-        f"the state holds {old_structure}. A skipped step keeps the current "
-        "value, so the new one must have its structure: give the first value "
-        "to create (e.g. TrainState.create(..., batch_stats="
-        "variables['batch_stats'])) and pass the updated collection itself "
-        "(updates['batch_stats'], not the dict that holds it)."
-    )
+  check_same_structure(
+      new, old, owner=owner, names=("the new value", "the state's value"),
+      fix="A skipped step keeps the current value, so the new one must have "
+      "its structure and shapes: give the first value to create (e.g. "
+      "TrainState.create(..., batch_stats=variables['batch_stats'])) and pass "
+      "the updated collection itself (updates['batch_stats'], not the dict "
+      "that holds it).")
 
-  def select(path, new_leaf, old_leaf):
+  def select(new_leaf, old_leaf):
     new_leaf, old_leaf = jnp.asarray(new_leaf), jnp.asarray(old_leaf)
-    if new_leaf.shape != old_leaf.shape:
-      raise ValueError(
-          f"{owner}: at {jax.tree_util.keystr(path)} the new value has shape "
-          f"{new_leaf.shape} and the state {old_leaf.shape}. A skipped step "
-          "keeps the current value, so the shapes must agree."
-      )
     if new_leaf.dtype != old_leaf.dtype:
       new_leaf = new_leaf.astype(old_leaf.dtype)
     return jnp.where(finite, new_leaf, old_leaf)
 
-  return jax.tree_util.tree_map_with_path(select, new, old)
+  return jax.tree_util.tree_map(select, new, old)
