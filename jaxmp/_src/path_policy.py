@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping, TypeVar
 import jax
 
 from jaxmp._src.policy import Policy, apply_under_policy, is_floating_array
-from jaxmp._src.rules import RuleTable, check_pattern, rule_table
+from jaxmp._src.rules import RuleTable, RuleTablePolicy, check_pattern, rule_table
 
 T = TypeVar("T")
 
@@ -50,7 +50,7 @@ _check_pattern = functools.partial(check_pattern, "PathPolicy")
 
 
 @dataclasses.dataclass(frozen=True, init=False)
-class PathPolicy:
+class PathPolicy(RuleTablePolicy):
   """Policies chosen per leaf by regular expressions on the leaf's path.
 
   A leaf's path is its pytree key path joined with ``/``
@@ -117,20 +117,8 @@ class PathPolicy:
         key_description="pattern",
         exclusive_hint=" (anchor the patterns with ^ and $)"))
 
-  @property
-  def rules(self) -> tuple[tuple[str, Policy], ...]:
-    """The ``(pattern, Policy)`` rules, in the order given."""
-    return self.table.rules
 
-  @property
-  def default(self) -> Policy | None:
-    """The policy of the paths no pattern matches (or ``None``)."""
-    return self.table.default
 
-  @property
-  def first_match(self) -> bool:
-    """Whether overlaps resolve by the order of the rules."""
-    return self.table.first_match
 
   def policy_for(self, path: str) -> Policy:
     """Returns the policy of the leaf at ``path`` (a ``/``-separated string).
@@ -207,14 +195,6 @@ class PathPolicy:
     """Casts each floating leaf to its policy's ``output_dtype``."""
     return self._cast(tree, Policy.cast_to_output)
 
-  @property
-  def io_policy(self) -> Policy:
-    """The policy of a model's inputs and outputs: ``default``.
-
-    Raises:
-      ValueError: if there is no default.
-    """
-    return self.table.io_policy
 
   def params_for_storage(self, params: Any) -> Any:
     """Casts each param to its policy's ``param_dtype``."""
@@ -268,10 +248,6 @@ class PathPolicy:
     """
     return apply_under_policy(self, apply_fn)
 
-  @property
-  def needs_loss_scaling(self) -> bool:
-    """True when any of the policies (default included) needs loss scaling."""
-    return self.table.needs_loss_scaling
 
   def __str__(self) -> str:
     return f"PathPolicy({self.table})"

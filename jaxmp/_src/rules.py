@@ -201,3 +201,41 @@ def rule_table(
       key_repr=key_repr,
       exclusive_hint=exclusive_hint,
   )
+
+
+class RuleTablePolicy:
+  """What a policy built on a :class:`RuleTable` (in ``self.table``) exposes.
+
+  Shared by :class:`jaxmp.PathPolicy` and :class:`jaxmp.flax.ModulePolicy`.
+  """
+
+  table: RuleTable
+
+  @property
+  def rules(self) -> tuple[tuple[Any, Policy], ...]:
+    """The ``(key, Policy)`` rules, in the order given."""
+    return self.table.rules
+
+  @property
+  def default(self) -> Policy | None:
+    """The policy of what no rule covers (or ``None``)."""
+    return self.table.default
+
+  @property
+  def first_match(self) -> bool:
+    """Whether overlaps resolve by the order of the rules."""
+    return self.table.first_match
+
+  @property
+  def needs_loss_scaling(self) -> bool:
+    """True when any of the policies (default included) needs loss scaling."""
+    return self.table.needs_loss_scaling
+
+  @property
+  def io_policy(self) -> Policy:
+    """The policy of the model's inputs and outputs: ``default``.
+
+    Raises:
+      ValueError: if there is no default.
+    """
+    return self.table.io_policy

@@ -23,12 +23,12 @@ from flax import struct
 from flax.core import meta
 
 from jaxmp._src.policy import (
-    Policy,
-    WrappedApply,
-    cast_apply_output,
-    is_floating_array,
+  Policy,
+  WrappedApply,
+  cast_apply_output,
+  is_floating_array,
 )
-from jaxmp._src.rules import RuleTable, check_pattern, rule_table
+from jaxmp._src.rules import RuleTable, RuleTablePolicy, check_pattern, rule_table
 
 # The policies of the Linen module methods now running, innermost last.
 _ACTIVE = threading.local()
@@ -132,7 +132,7 @@ def _module_subject(module: Any, path: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True, init=False)
-class ModulePolicy:
+class ModulePolicy(RuleTablePolicy):
   """Policies for chosen modules of a Flax model; the rest use a default.
 
   Each rule's key is a module class (matching its instances and those of its
@@ -232,20 +232,8 @@ class ModulePolicy:
     # Set by for_autocast: matched modules run inside a named scope per policy.
     object.__setattr__(self, "tag_scopes", False)
 
-  @property
-  def rules(self) -> tuple[tuple[Any, Policy], ...]:
-    """The ``(key, Policy)`` rules, in the order given."""
-    return self.table.rules
 
-  @property
-  def default(self) -> Policy | None:
-    """The policy of the modules no rule covers (or ``None``)."""
-    return self.table.default
 
-  @property
-  def first_match(self) -> bool:
-    """Whether overlaps resolve by the order of the rules."""
-    return self.table.first_match
 
   def rule_for(self, module: Any, name: str | None, path: str) -> Policy | None:
     """Returns the policy of the rule that matches a module, or ``None``.
@@ -276,19 +264,7 @@ class ModulePolicy:
       return False
     return _has_dtype_field(type(module))
 
-  @property
-  def needs_loss_scaling(self) -> bool:
-    """True when any of the policies (default included) needs loss scaling."""
-    return self.table.needs_loss_scaling
 
-  @property
-  def io_policy(self) -> Policy:
-    """The policy of the model's inputs and outputs: ``default``.
-
-    Raises:
-      ValueError: if there is no default.
-    """
-    return self.table.io_policy
 
   def params_for_storage(self, params: Any) -> Any:
     """Returns the params as they are: each module casts what it reads."""
