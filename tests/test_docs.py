@@ -27,6 +27,7 @@ import posixpath
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -50,6 +51,11 @@ GUIDE_PAGES = (
     "migration-deepspeed.md",
     "migration-pytorch.md",
     "migration-jmp.md",
+    "migration-flax.md",
+    "equinox.md",
+    "precision-audit.md",
+    "autocast.md",
+    "architecture.md",
     "faq.md",
     "guarantees.md",
 )
@@ -340,12 +346,17 @@ def test_python_blocks_are_found():
 def test_the_python_blocks_of_each_page_run(page, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   monkeypatch.setenv("MPLBACKEND", "Agg")
-  namespace = {"__name__": "__docs__"}
+  # The page runs as a module of its own, as a reader's script would: classes
+  # it defines (dataclasses, Linen modules) look their module up by name.
+  module = types.ModuleType("__docs__")
+  monkeypatch.setitem(sys.modules, "__docs__", module)
+  namespace = module.__dict__
   source = page.relative_to(ROOT).as_posix()
   for line, code in python_blocks(page.read_text(encoding="utf-8")):
-    # Line numbers in tracebacks point into the Markdown file.
+    # Line numbers in tracebacks point into the Markdown file; the page does
+    # not inherit this file's `from __future__` imports.
     code = "\n" * (line) + code
-    exec(compile(code, source, "exec"), namespace)  # pylint: disable=exec-used
+    exec(compile(code, source, "exec", dont_inherit=True), namespace)  # pylint: disable=exec-used
 
 
 # ---------------------------------------------------------------------------
