@@ -871,6 +871,40 @@ FLAX_CASES = [
 
 CASES += FLAX_CASES
 
+# Guard cost: clip_global_norm= and guard= of loss_scaling, multi_steps and
+# TrainState.create.
+GUARD_COST_CASES = [
+    Case("loss_scaling: clip_global_norm of zero",
+         lambda: jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(),
+                                    clip_global_norm=0.0),
+         ValueError, r"jaxmp\.loss_scaling: clip_global_norm must be a number > 0, got 0\.0",
+         r"Pass the max global norm of the unscaled gradients, e\.g\. 1\.0, or None"),
+    Case("loss_scaling: clip_global_norm of inf",
+         lambda: jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(),
+                                    clip_global_norm=float("inf")),
+         ValueError, r"clip_global_norm must be finite, got inf",
+         r"Pass the max global norm"),
+    Case("multi_steps: clip_global_norm as a string",
+         lambda: jaxmp.multi_steps(optax.sgd(0.1), jaxmp.DynamicLossScale(), 2,
+                                   clip_global_norm="1.0"),
+         TypeError, r"jaxmp\.multi_steps: clip_global_norm must be a number, got '1\.0'",
+         r"Pass the max global norm"),
+    Case("loss_scaling: guard=False with a dynamic scale",
+         lambda: jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(),
+                                    guard=False),
+         ValueError, r"jaxmp\.loss_scaling\(guard=False\) needs jaxmp\.NoOpLossScale\(\), "
+         r"got DynamicLossScale",
+         r"Keep guard=True, or train in bfloat16 with jaxmp\.NoOpLossScale\(\)"),
+    Case("TrainState.create: guard as a string",
+         lambda: jaxmp.flax.TrainState.create(
+             apply_fn=lambda p, x: x, params=PARAMS, tx=optax.sgd(0.1),
+             policy="mixed_bfloat16", guard="no"),
+         TypeError, r"TrainState\.create: guard must be True or False, got 'no'",
+         r"guard=False turns the finiteness check off; it needs "
+         r"loss_scale=jaxmp\.NoOpLossScale\(\)"),
+]
+CASES += GUARD_COST_CASES
+
 
 def test_the_catalogue_is_large_and_distinct():
   names = [case.name for case in CASES]

@@ -58,7 +58,8 @@ def test_convert_good_file(tmp_path, capsys):
   policy, loss_scale = jaxmp.from_deepspeed_config(path)
   assert namespace["policy"] == policy == jaxmp.get_policy("mixed_float16")
   assert repr(namespace["loss_scale"]) == repr(loss_scale)
-  assert "tx = jaxmp.multi_steps(optimizer, loss_scale, every_k_schedule=4)" in out
+  assert ("tx = jaxmp.multi_steps(optimizer, loss_scale, every_k_schedule=4, "
+          "clip_global_norm=1.0)") in out
   assert "MultiSteps" not in out
   assert out.startswith(f"# jaxmp equivalent of the DeepSpeed config {path}.\n")
   warnings = err.splitlines()

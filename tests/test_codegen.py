@@ -54,9 +54,9 @@ def test_generated_code_builds_the_same_objects():
   policy, loss_scale = jaxmp.from_deepspeed_config(BLOG_CONFIG)
   assert namespace["policy"] == policy
   assert repr(namespace["loss_scale"]) == repr(loss_scale)
-  assert "optax.clip_by_global_norm(1.0)" in code
   assert "optax.adamw(learning_rate, b1=0.9, b2=0.999, eps=1e-08, weight_decay=0.01)" in code
-  assert "tx = jaxmp.loss_scaling(optimizer, loss_scale)" in code
+  assert "clip_by_global_norm" not in code  # the wrapper clips, sharing its check
+  assert "tx = jaxmp.loss_scaling(optimizer, loss_scale, clip_global_norm=1.0)" in code
   assert [key for key, _ in left_out] == [
       "zero_optimization", "zero_optimization.offload_optimizer",
       "train_micro_batch_size_per_gpu", "wandb"]
@@ -88,7 +88,8 @@ def test_generated_optimizers_run(optimizer, expected):
             "gradient_clipping": "auto", "gradient_accumulation_steps": 2}
   code, left_out = deepspeed_config_to_code(config)
   assert expected in code
-  assert "tx = jaxmp.multi_steps(optimizer, loss_scale, every_k_schedule=2)" in code
+  assert ("tx = jaxmp.multi_steps(optimizer, loss_scale, every_k_schedule=2, "
+          "clip_global_norm=max_grad_norm)") in code
   assert "MultiSteps" not in code and "loss_scaling(" not in code
   tx = _run_code(code)["tx"]
   params = jnp.ones(2)
@@ -115,7 +116,7 @@ def test_absent_gradient_clipping_clips_as_deepspeed_does():
   recorded = json.loads((DATA / "deepspeed.json").read_text(encoding="utf-8"))
   assert DEEPSPEED_GRADIENT_CLIPPING_DEFAULT == recorded["gradient_clipping_default"]
   code, left_out = deepspeed_config_to_code({})
-  assert "optax.clip_by_global_norm(1.0)," in code
+  assert "tx = jaxmp.loss_scaling(optimizer, loss_scale, clip_global_norm=1.0)" in code
   notes = dict(left_out)
   assert "DeepSpeed 0.19.8 then clips at 1.0" in notes["gradient_clipping"]
   assert '"gradient_clipping": 0' in notes["gradient_clipping"]
@@ -132,7 +133,7 @@ def test_accumulation_auto_and_one():
         {"gradient_accumulation_steps": steps, "gradient_clipping": 0})
     assert "tx = jaxmp.loss_scaling(optimizer, loss_scale)" in code
   code, _ = deepspeed_config_to_code({"gradient_accumulation_steps": 4.0})
-  assert "every_k_schedule=4)" in code
+  assert "every_k_schedule=4, clip_global_norm=1.0)" in code
 
 
 def test_keys_that_are_not_converted_are_named_with_a_suggestion():

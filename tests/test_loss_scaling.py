@@ -481,3 +481,145 @@ def test_equinox_filter_value_and_grad():
   assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(ref_grads)
   chex.assert_trees_all_equal(
       grads, jax.tree_util.tree_map(lambda g: g * 2.0**10, ref_grads))
+
+
+# Guard cost: clip_global_norm= and guard=False.
+
+
+def _decision_table():
+  """Gradient trees whose finiteness every form of the check must agree on."""
+  cases = []
+  for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+    info = jnp.finfo(dtype)
+    for name, value in (("finite", 1.5), ("inf", np.inf), ("-inf", -np.inf),
+                        ("nan", np.nan), ("huge", float(info.max)),
+                        ("subnormal", float(info.smallest_subnormal))):
+      one = jnp.ones(7, dtype).at[3].set(value)
+      many = jnp.full((1000,), value, dtype)  # 1000 huge values: still finite
+      for shape_name, leaf in (("one", one), ("many", many)):
+        cases.append((f"{dtype.__name__}-{name}-{shape_name}",
+                      {"g": leaf, "other": jnp.full(3, 2.0, jnp.float32)},
+                      name in ("finite", "huge", "subnormal")))
+  return cases
+
+
+DECISIONS = _decision_table()
+
+
+def _forms_of_the_check(grads):
+  """The flag of every form of the check: all_finite, and the update's flag
+  without clipping and with clipping (the norm's flag), jitted or not."""
+  flags = {
+      "all_finite": jaxmp.all_finite(grads),
+      "all_finite jitted": jax.jit(jaxmp.all_finite)(grads),
+  }
+  params = jax.tree_util.tree_map(jnp.zeros_like, grads)
+  for clip in (None, 1.0):
+    tx = jaxmp.loss_scaling(optax.sgd(1.0), jaxmp.NoOpLossScale(),
+                            clip_global_norm=clip)
+    for jitted in (False, True):
+      update = jax.jit(tx.update) if jitted else tx.update
+      _, state = update(grads, tx.init(params), params)
+      flags[f"loss_scaling clip={clip} jit={jitted}"] = state.last_finite
+  return {name: bool(flag) for name, flag in flags.items()}
+
+
+@pytest.mark.parametrize("name,grads,expected", DECISIONS,
+                         ids=[c[0] for c in DECISIONS])
+def test_every_form_of_the_check_decides_alike(name, grads, expected):
+  del name
+  assert _forms_of_the_check(grads) == dict.fromkeys(
+      _forms_of_the_check(grads), expected)
+
+
+def test_clip_global_norm_clips_as_optax_does():
+  params = init_mlp(jax.random.PRNGKey(0), sizes=(64, 300, 10))
+  grads = jax.tree_util.tree_map(lambda p: 3.0 * jnp.ones_like(p), params)
+  scale = jaxmp.StaticLossScale(2.0**10)
+  chained = jaxmp.loss_scaling(
+      optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0)), scale)
+  sharing = jaxmp.loss_scaling(optax.sgd(1.0), scale, clip_global_norm=1.0)
+  scaled = scale.scale(grads)
+  expected, _ = jax.jit(chained.update)(scaled, chained.init(params), params)
+  got, state = jax.jit(sharing.update)(scaled, sharing.init(params), params)
+  chex.assert_trees_all_close(got, expected, rtol=1e-6)
+  assert float(optax.tree.norm(got)) == pytest.approx(1.0, rel=1e-6)
+  assert bool(state.last_finite) and int(state.skipped_steps) == 0
+  # Below the norm the gradients pass unchanged, bit for bit.
+  small = jax.tree_util.tree_map(lambda g: g * 1e-4, grads)
+  got, _ = jax.jit(sharing.update)(scale.scale(small), sharing.init(params), params)
+  chex.assert_trees_all_equal(got, jax.tree_util.tree_map(jnp.negative, small))
+
+
+def test_clip_global_norm_of_huge_finite_gradients_steps_and_stays_finite():
+  # The plain float32 sum of squares of these overflows; the step must run.
+  huge = float(jnp.finfo(jnp.float32).max)
+  grads = {"a": jnp.array([huge, -huge, 3.0]), "b": jnp.full(4, 1e20)}
+  params = jax.tree_util.tree_map(jnp.zeros_like, grads)
+  tx = jaxmp.loss_scaling(optax.sgd(1.0), jaxmp.NoOpLossScale(),
+                          clip_global_norm=2.0)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert bool(state.last_finite) and int(state.skipped_steps) == 0
+  np.testing.assert_allclose(updates["a"], [-np.sqrt(2.0), np.sqrt(2.0), 0.0],
+                             rtol=1e-6, atol=1e-30)
+  assert float(optax.tree.norm(updates)) == pytest.approx(2.0, rel=1e-6)
+
+
+def test_clip_global_norm_skips_a_nan_step_bit_identically():
+  params = {"w": jnp.array([1.0, -0.0])}
+  tx = jaxmp.loss_scaling(optax.adam(0.1), jaxmp.DynamicLossScale(8.0),
+                          clip_global_norm=1.0)
+  state = tx.init(params)
+  updates, new_state = jax.jit(tx.update)(
+      {"w": jnp.array([jnp.nan, 1.0])}, state, params)
+  chex.assert_trees_all_equal(optax.apply_updates(params, updates), params)
+  chex.assert_trees_all_equal(new_state.inner_state, state.inner_state)
+  assert int(new_state.skipped_steps) == 1
+  assert float(new_state.loss_scale.loss_scale) == 4.0
+
+
+def test_guard_false_runs_the_bare_update():
+  params = {"w": jnp.ones(3)}
+  bare = optax.adamw(0.1)
+  tx = jaxmp.loss_scaling(optax.adamw(0.1), jaxmp.NoOpLossScale(), guard=False)
+  grads = {"w": jnp.array([1.0, jnp.nan, 2.0])}
+  expected, expected_state = bare.update(grads, bare.init(params), params)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  chex.assert_trees_all_equal(updates, expected)  # the nan step is applied
+  chex.assert_trees_all_equal(state.inner_state, expected_state)
+  assert int(state.skipped_steps) == 0 and bool(state.last_finite)
+
+
+def _compiled_bytes(step, state, batch):
+  compiled = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost["bytes accessed"])
+
+
+def test_clipping_inside_the_guard_reads_the_gradients_no_more():
+  params = init_mlp(jax.random.PRNGKey(0), sizes=(256, 256, 256, 256, 256))
+  x = jnp.ones((8, 256))
+
+  def loss_fn(p, x):
+    return jnp.mean(mlp(p, x) ** 2)
+
+  clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+
+  def unguarded(state, x):
+    p, o = state
+    grads = jax.grad(loss_fn)(p, x)
+    updates, o = clipped.update(grads, o, p)
+    return optax.apply_updates(p, updates), o
+
+  baseline = _compiled_bytes(unguarded, (params, clipped.init(params)), x)
+  tx = jaxmp.loss_scaling(optax.adamw(1e-3), jaxmp.DynamicLossScale(),
+                          clip_global_norm=1.0)
+
+  def guarded(state, x):
+    p, o = state
+    grads = jax.grad(lambda p: jaxmp.get_loss_scale(o).scale(loss_fn(p, x)))(p)
+    updates, o = tx.update(grads, o, p)
+    return optax.apply_updates(p, updates), o
+
+  assert _compiled_bytes(guarded, (params, tx.init(params)), x) <= 1.002 * baseline

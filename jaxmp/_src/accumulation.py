@@ -18,6 +18,8 @@ def multi_steps(
     every_k_schedule: int | Callable[[jax.Array], jax.Array],
     *,
     axis_name: Any = None,
+    clip_global_norm: float | None = None,
+    guard: bool = True,
     **multi_steps_kwargs: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """``optax.MultiSteps(jaxmp.loss_scaling(inner, loss_scale), k)``, made safe.
@@ -44,6 +46,11 @@ def multi_steps(
     every_k_schedule: the number of micro-batches per step, an int or a
       function of the step count, as in ``optax.MultiSteps``.
     axis_name: as in :func:`jaxmp.loss_scaling`.
+    clip_global_norm: as in :func:`jaxmp.loss_scaling`: the accumulated,
+      unscaled gradients are clipped to this global norm, and checked in the
+      same reduction, on the k-th micro-batch.
+    guard: as in :func:`jaxmp.loss_scaling` (``False`` only with
+      :class:`jaxmp.NoOpLossScale`).
     **multi_steps_kwargs: passed to ``optax.MultiSteps`` (e.g.
       ``use_grad_mean``).
 
@@ -73,6 +80,7 @@ def multi_steps(
   accumulate = optax.MultiSteps(
       wrap_with_loss_scaling(
           inner, loss_scale, axis_name=axis_name, owner="jaxmp.multi_steps",
+          clip_global_norm=clip_global_norm, guard=guard,
           nested_fix="jaxmp.multi_steps wraps the optimizer with "
           "jaxmp.loss_scaling itself: pass the bare optimizer, "
           "jaxmp.multi_steps(optax.adamw(1e-3), loss_scale, k)."),

@@ -204,9 +204,11 @@ def deepspeed_config_to_code(
 
   The code builds ``policy`` and ``loss_scale`` (as
   :func:`jaxmp.from_deepspeed_config` does), the optax optimizer from
-  ``optimizer`` and ``gradient_clipping``, and ``tx``: the optimizer wrapped
-  with :func:`jaxmp.loss_scaling`, or with :func:`jaxmp.multi_steps` for
-  ``gradient_accumulation_steps > 1``. ``jaxmp convert`` prints it.
+  ``optimizer``, and ``tx``: the optimizer wrapped with
+  :func:`jaxmp.loss_scaling`, or with :func:`jaxmp.multi_steps` for
+  ``gradient_accumulation_steps > 1``, with ``gradient_clipping`` as their
+  ``clip_global_norm`` (the clipping shares the finiteness check's
+  reduction). ``jaxmp convert`` prints it.
 
   Numbers must be JSON numbers: a quoted number, a bool, ``NaN`` or
   ``Infinity`` where a number belongs raises, so the code never holds a value
@@ -270,28 +272,27 @@ def deepspeed_config_to_code(
   clip = _clipping(config, placeholders, notes)
   accumulation = _accumulation(config, notes)
   lines += placeholders
-  if clip is not None:
-    lines += [
-        "optimizer = optax.chain(",
-        f"    optax.clip_by_global_norm({clip}),",
-        f"    {optimizer},",
-        ")",
-    ]
-  else:
-    lines.append(f"optimizer = {optimizer}")
+  lines.append(f"optimizer = {optimizer}")
   lines.append(
       "# Wrap the whole optimizer: it then sees unscaled gradients and skips "
       "non-finite steps."
   )
+  clip_arg = ""
+  if clip is not None:
+    lines.append(
+        f"# gradient_clipping: clips the unscaled gradients to a global norm of "
+        f"{clip}, checking them in the same reduction.")
+    clip_arg = f", clip_global_norm={clip}"
   if accumulation > 1:
     lines += [
         f"# Accumulates {accumulation} micro-batches per step; a non-finite "
         "micro-batch skips its whole",
         "# step, and the next accumulation starts from a zero accumulator.",
-        f"tx = jaxmp.multi_steps(optimizer, loss_scale, every_k_schedule={accumulation})",
+        f"tx = jaxmp.multi_steps(optimizer, loss_scale, every_k_schedule="
+        f"{accumulation}{clip_arg})",
     ]
   else:
-    lines.append("tx = jaxmp.loss_scaling(optimizer, loss_scale)")
+    lines.append(f"tx = jaxmp.loss_scaling(optimizer, loss_scale{clip_arg})")
   per_batch = "micro-batch" if accumulation > 1 else "batch"
   lines += [
       "",

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxmp._src.inplace_select import check_same_structure, update_or_keep
-from jaxmp._src.loss_scale import LossScale, all_finite
+from jaxmp._src.loss_scale import LossScale, NoOpLossScale, all_finite
+from jaxmp._src.validation import check_bool, check_number
 
 AxisName = Any  # a hashable axis name or a tuple of them
 KeyPath = tuple[Any, ...]
@@ -51,6 +52,8 @@ def loss_scaling(
     loss_scale: LossScale,
     *,
     axis_name: AxisName | None = None,
+    clip_global_norm: float | None = None,
+    guard: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optimizer for loss-scaled training; skips non-finite steps.
 
@@ -83,6 +86,18 @@ def loss_scaling(
       names) over which the gradients are split, so that all devices agree on
       skipping. Not needed under plain ``jit`` with sharded arrays, where the
       finiteness check is already global.
+    clip_global_norm: if given, the unscaled gradients are clipped to this
+      global norm before ``inner`` runs (as
+      ``optax.chain(optax.clip_by_global_norm(clip_global_norm), inner)``
+      would), and the finiteness flag is taken from the same reduction: the
+      check costs no extra read of the gradients. Use it instead of
+      ``optax.clip_by_global_norm`` inside ``inner``. The norm is summed in
+      float32 and is safe against overflow (see docs/optax.md).
+    guard: whether to check the gradients and skip non-finite steps (default
+      True). ``guard=False`` is only allowed with a
+      :class:`jaxmp.NoOpLossScale` (bfloat16 or float32 training): the step
+      then runs the inner update unchecked, a nan step included, and costs
+      what the bare optimizer costs.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
@@ -90,7 +105,10 @@ def loss_scaling(
 
   Raises:
     TypeError: if ``loss_scale`` is not a loss scale or ``inner`` not an optax
-      transformation.
+      transformation, ``clip_global_norm`` not a number or ``guard`` not a
+      bool.
+    ValueError: if ``clip_global_norm`` is not a finite number above 0, or
+      ``guard=False`` with a loss scale other than ``NoOpLossScale``.
     ValueError: from ``init``, if ``inner``'s state already holds a
       loss-scaling state (wrapping twice would unscale twice).
 
@@ -108,6 +126,7 @@ def loss_scaling(
   """
   return wrap_with_loss_scaling(
       inner, loss_scale, axis_name=axis_name, owner="jaxmp.loss_scaling",
+      clip_global_norm=clip_global_norm, guard=guard,
       nested_fix="Wrap the bare optimizer once: jaxmp.loss_scaling("
       "optax.adamw(1e-3), loss_scale). For gradient accumulation, use "
       "jaxmp.multi_steps(optax.adamw(1e-3), loss_scale, k), which wraps it "
@@ -121,6 +140,8 @@ def wrap_with_loss_scaling(
     axis_name: AxisName | None,
     owner: str,
     nested_fix: str,
+    clip_global_norm: float | None = None,
+    guard: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """:func:`loss_scaling`, with the errors of an ``owner`` that wraps for you.
 
@@ -138,6 +159,8 @@ def wrap_with_loss_scaling(
         f"{owner} expects an optax.GradientTransformation to wrap, e.g. "
         f"optax.adamw(1e-3); got {inner!r}."
     )
+  clip_global_norm, guard = check_guard_options(
+      owner, loss_scale, clip_global_norm, guard)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params):
@@ -167,8 +190,11 @@ def wrap_with_loss_scaling(
           "update (e.g. jaxmp.scaled_value_and_grad(loss_fn, loss_scale)"
           "(params)).")
     current = state.loss_scale
-    grads = current.unscale(updates)
-    finite = all_finite(grads)
+    grads, finite = clip_and_check(current.unscale(updates), clip_global_norm)
+    if not guard:
+      inner_updates, inner_state = inner.update(
+          grads, state.inner_state, params, **extra_args)
+      return inner_updates, state._replace(inner_state=inner_state)
     if axis_name is not None:
       try:
         finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name)
@@ -200,6 +226,102 @@ def wrap_with_loss_scaling(
     return updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# The check, and the clipping that shares its reduction.
+
+# A power of two that scales finite float32 values down before squaring, so
+# that their sum of squares overflows only when the global norm exceeds
+# 2**134 (about 2e40, beyond float32's largest value); small values underflow
+# in this sum, which is used only when the plain one overflowed.
+_HUGE_NORM_SCALE = 2.0**-70
+
+
+def check_guard_options(owner: str, loss_scale: LossScale,
+                        clip_global_norm: Any, guard: Any
+                        ) -> tuple[float | None, bool]:
+  """Validates ``clip_global_norm`` and ``guard``; returns them."""
+  if clip_global_norm is not None:
+    clip_global_norm = check_number(
+        owner, "clip_global_norm", clip_global_norm, minimum=0.0,
+        exclusive_minimum=True,
+        advice="Pass the max global norm of the unscaled gradients, e.g. "
+        "1.0, or None for no clipping.")
+  guard = check_bool(owner, "guard", guard, advice="guard=False turns the "
+                     "finiteness check off; it needs jaxmp.NoOpLossScale().")
+  if not guard and not isinstance(loss_scale, NoOpLossScale):
+    raise ValueError(
+        f"{owner}(guard=False) needs jaxmp.NoOpLossScale(), got "
+        f"{type(loss_scale).__name__}: a loss scale that adjusts or that "
+        "scales float16 gradients needs the finiteness check to skip their "
+        "overflows. Keep guard=True, or train in bfloat16 with "
+        "jaxmp.NoOpLossScale().")
+  return clip_global_norm, guard
+
+
+def _add_pairs(a, b):
+  return a[0] + b[0], a[1] + b[1]
+
+
+def global_norm_and_finite(tree: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The global norm of ``tree`` in float32, safe against overflow.
+
+  Returns ``(scale, scaled_norm, finite)``: the global norm is
+  ``scaled_norm / scale``, and ``finite`` is true iff every leaf is finite
+  (the decision of :func:`jaxmp.all_finite`). Both come from one pass over
+  the leaves: each is squared and summed in float32, once as it is and once
+  scaled down by ``2**-70``. Where the plain sum is finite, ``scale`` is 1 and
+  ``scaled_norm`` is exactly ``sqrt`` of it (optax's ``tree.norm`` in float32);
+  where only huge finite values made it overflow, the scaled sum gives the
+  norm. Non-finite leaves make both sums inf or nan. Gradients are called
+  non-finite also when their global norm exceeds ``2**134``, which float32
+  cannot represent.
+  """
+  plain, scaled = [], []
+  zero = jnp.zeros([], jnp.float32)
+  for x in jax.tree_util.tree_leaves(tree):
+    x = jnp.asarray(x)
+    parts = (jnp.real(x), jnp.imag(x)) if jnp.iscomplexobj(x) else (x,)
+    for part in parts:
+      part = part.astype(jnp.float32)
+      # One variadic reduction: XLA reads the leaf once for both sums.
+      plain_sum, scaled_sum = jax.lax.reduce(
+          (jnp.square(part), jnp.square(part * _HUGE_NORM_SCALE)),
+          (zero, zero), _add_pairs, tuple(range(part.ndim)))
+      plain.append(plain_sum)
+      scaled.append(scaled_sum)
+  if not plain:
+    one = jnp.ones([], jnp.float32)
+    return one, jnp.zeros([], jnp.float32), jnp.array(True)
+  plain_sum, scaled_sum = sum(plain), sum(scaled)
+  use_plain = jnp.isfinite(plain_sum)
+  scale = jnp.where(use_plain, 1.0, _HUGE_NORM_SCALE).astype(jnp.float32)
+  scaled_norm = jnp.sqrt(jnp.where(use_plain, plain_sum, scaled_sum))
+  return scale, scaled_norm, jnp.isfinite(scaled_sum)
+
+
+def clip_and_check(grads: Any, clip_global_norm: float | None
+                   ) -> tuple[Any, jax.Array]:
+  """``(grads, all_finite(grads))``, or the clipped grads and the norm's flag.
+
+  With ``clip_global_norm``, each leaf ``t`` becomes ``t / norm * max_norm``
+  where the global norm is at least ``max_norm`` (as
+  ``optax.clip_by_global_norm`` computes it), and the flag comes from the
+  same reduction (:func:`global_norm_and_finite`).
+  """
+  if clip_global_norm is None:
+    return grads, all_finite(grads)
+  scale, scaled_norm, finite = global_norm_and_finite(grads)
+  keep = scaled_norm < clip_global_norm * scale
+
+  def clip(t):
+    if not jnp.issubdtype(t.dtype, jnp.inexact):
+      return t
+    wide = t if t.dtype == jnp.float32 else t.astype(jnp.float32)
+    clipped = (wide * scale / scaled_norm) * clip_global_norm
+    return jax.lax.select(keep, t, clipped.astype(t.dtype))
+
+  return jax.tree_util.tree_map(clip, grads), finite
 
 
 # Finding the state.

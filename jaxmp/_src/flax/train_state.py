@@ -88,6 +88,8 @@ class TrainState(train_state.TrainState):
       loss_scale: LossScale | None = None,
       axis_name: Hashable | None = None,
       autocast: bool = False,
+      clip_global_norm: float | None = None,
+      guard: bool = True,
       **kwargs,
   ) -> "TrainState":
     """Creates a state with ``step=0``; wraps ``tx`` with loss scaling.
@@ -120,6 +122,14 @@ class TrainState(train_state.TrainState):
         model declares. With a :class:`jaxmp.flax.ModulePolicy`, the modules
         its rules match keep their own policy; a :class:`jaxmp.PathPolicy`
         is refused (autocast casts operations, not parameters).
+      clip_global_norm: clip the unscaled gradients to this global norm,
+        checking them in the same reduction; passed to
+        :func:`jaxmp.loss_scaling`. Use it instead of
+        ``optax.clip_by_global_norm`` inside ``tx``.
+      guard: whether to check the gradients and skip non-finite steps;
+        passed to :func:`jaxmp.loss_scaling`. ``guard=False`` needs a
+        :class:`jaxmp.NoOpLossScale` (the default under bfloat16 and
+        float32): the check then costs nothing, and a nan step is applied.
       **kwargs: further fields of a subclass (``batch_stats=...``), as in
         Flax.
 
@@ -156,7 +166,11 @@ class TrainState(train_state.TrainState):
         jax.eval_shape(tx.init, params), owner="TrainState.create",
         subject="tx", fix="Pass the bare optimizer (e.g. optax.adamw(1e-3)) "
         "and the loss scale as loss_scale=...; create wraps it for you.")
-    tx = loss_scaling(tx, loss_scale, axis_name=axis_name)
+    guard = check_bool(
+        "TrainState.create", "guard", guard, advice="guard=False turns the "
+        "finiteness check off; it needs loss_scale=jaxmp.NoOpLossScale().")
+    tx = loss_scaling(tx, loss_scale, axis_name=axis_name,
+                      clip_global_norm=clip_global_norm, guard=guard)
     return cls(
         step=jnp.zeros([], jnp.int32),
         apply_fn=apply_fn,
