@@ -20,6 +20,7 @@ import optax
 
 from jaxmp._src.inplace_select import check_same_structure, update_or_keep
 from jaxmp._src.loss_scale import LossScale, all_finite
+from jaxmp._src.recovery import check_recovery, computed_at, step_loss_scale
 
 AxisName = Any  # a hashable axis name or a tuple of them
 KeyPath = tuple[Any, ...]
@@ -34,12 +35,21 @@ class LossScalingState(NamedTuple):
     loss_scale: the current loss scale (a :class:`jaxmp.LossScale`).
     skipped_steps: int32, the number of steps skipped so far.
     last_finite: bool, whether the last step's gradients were finite.
+    recovered_steps: int32, the steps whose batch was recovered inside the
+      step (by a backed-off retry or the fallback; see :class:`jaxmp.Recover`).
+    fallback_steps: int32, the steps among those recovered by the fallback.
+    lost_steps: int32, the steps whose batch was lost: still non-finite after
+      any recovery, so skipped (equal to ``skipped_steps``; the name says
+      what a skip costs).
   """
 
   inner_state: optax.OptState
   loss_scale: LossScale
   skipped_steps: jax.Array
   last_finite: jax.Array
+  recovered_steps: jax.Array
+  fallback_steps: jax.Array
+  lost_steps: jax.Array
 
 
 def _to_device_state(loss_scale: LossScale) -> LossScale:
@@ -150,6 +160,9 @@ def wrap_with_loss_scaling(
         loss_scale=_to_device_state(loss_scale),
         skipped_steps=jnp.zeros([], jnp.int32),
         last_finite=jnp.ones([], jnp.bool_),
+        recovered_steps=jnp.zeros([], jnp.int32),
+        fallback_steps=jnp.zeros([], jnp.int32),
+        lost_steps=jnp.zeros([], jnp.int32),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -166,8 +179,19 @@ def wrap_with_loss_scaling(
           fix="Differentiate with respect to the same params you pass to "
           "update (e.g. jaxmp.scaled_value_and_grad(loss_fn, loss_scale)"
           "(params)).")
-    current = state.loss_scale
-    grads = current.unscale(updates)
+    recovery = extra_args.pop("recovery", None)
+    if recovery is None:
+      current = state.loss_scale
+      grads = current.unscale(updates)
+      recovered = fell_back = jnp.zeros([], jnp.bool_)
+    else:
+      recovery = check_recovery(recovery, state.loss_scale, owner)
+      # Unscale by the scale the gradients were computed at; continue from
+      # the backed-off one (see recovery.py).
+      grads = computed_at(recovery).unscale(updates)
+      current = step_loss_scale(recovery)
+      fell_back = jnp.asarray(recovery.fell_back)
+      recovered = (jnp.asarray(recovery.retries) > 0) | fell_back
     finite = all_finite(grads)
     if axis_name is not None:
       try:
@@ -190,12 +214,16 @@ def wrap_with_loss_scaling(
     updates = jax.tree_util.tree_map(
         lambda u: jnp.where(finite, u, jnp.asarray(-0.0, u.dtype)), inner_updates
     )
+    lost = jnp.logical_not(finite).astype(jnp.int32)
     new_state = LossScalingState(
         inner_state=inner_state,
         loss_scale=current.adjust(finite),
-        skipped_steps=state.skipped_steps
-        + jnp.logical_not(finite).astype(jnp.int32),
+        skipped_steps=state.skipped_steps + lost,
         last_finite=finite,
+        recovered_steps=state.recovered_steps
+        + (recovered & finite).astype(jnp.int32),
+        fallback_steps=state.fallback_steps + (fell_back & finite).astype(jnp.int32),
+        lost_steps=state.lost_steps + lost,
     )
     return updates, new_state
 
@@ -416,7 +444,13 @@ def loss_scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
   * ``overflows_at_min`` (int32): overflows that found the scale at its
     minimum (0 for static and no-op scales);
   * ``steps_since_adjustment`` (int32): the dynamic scale's counter (0 for
-    the others).
+    the others);
+  * ``recovered_steps`` (int32): steps whose batch was recovered inside the
+    step, by a backed-off retry or the fallback (see :class:`jaxmp.Recover`;
+    0 without recovery), cumulative;
+  * ``fallback_steps`` (int32): those recovered by the fallback, cumulative;
+  * ``lost_steps`` (int32): steps whose batch was lost (non-finite even
+    after recovery, so skipped); without recovery, the skipped steps.
 
   Warns as :func:`get_loss_scale` does.
 
@@ -442,4 +476,7 @@ def metrics_of(state: LossScalingState) -> dict[str, jax.Array]:
   metrics["skipped"] = jnp.logical_not(last_finite).astype(jnp.int32)
   metrics["skipped_steps"] = jnp.asarray(state.skipped_steps)
   metrics["last_finite"] = last_finite
+  metrics["recovered_steps"] = jnp.asarray(state.recovered_steps)
+  metrics["fallback_steps"] = jnp.asarray(state.fallback_steps)
+  metrics["lost_steps"] = jnp.asarray(state.lost_steps)
   return metrics
