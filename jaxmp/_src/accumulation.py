@@ -10,7 +10,7 @@ import optax
 
 from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.loss_scaling import wrap_with_loss_scaling
-from jaxmp._src.recovery import check_recovery, step_loss_scale
+from jaxmp._src.recovery import check_recovery, backed_off_after_fallback
 from jaxmp._src.validation import check_number
 
 
@@ -128,7 +128,7 @@ def _adopt_recovery(grads: Any, state: optax.MultiStepsState,
   """
   scaling = state.inner_opt_state
   recovery = check_recovery(recovery, scaling.loss_scale, "jaxmp.multi_steps")
-  new_scale = step_loss_scale(recovery)
+  new_scale = backed_off_after_fallback(recovery)
   old_value = jnp.asarray(scaling.loss_scale.loss_scale, jnp.float32)
   new_value = jnp.asarray(new_scale.loss_scale, jnp.float32)
   fell_back = jnp.asarray(recovery.fell_back)

@@ -20,7 +20,7 @@ import optax
 
 from jaxmp._src.inplace_select import check_same_structure, update_or_keep
 from jaxmp._src.loss_scale import LossScale, all_finite
-from jaxmp._src.recovery import check_recovery, computed_at, step_loss_scale
+from jaxmp._src.recovery import check_recovery, computed_at
 
 AxisName = Any  # a hashable axis name or a tuple of them
 KeyPath = tuple[Any, ...]
@@ -189,7 +189,7 @@ def wrap_with_loss_scaling(
       # Unscale by the scale the gradients were computed at; continue from
       # the backed-off one (see recovery.py).
       grads = computed_at(recovery).unscale(updates)
-      current = step_loss_scale(recovery)
+      current = recovery.loss_scale
       fell_back = jnp.asarray(recovery.fell_back)
       recovered = (jnp.asarray(recovery.retries) > 0) | fell_back
     finite = all_finite(grads)
@@ -217,7 +217,10 @@ def wrap_with_loss_scaling(
     lost = jnp.logical_not(finite).astype(jnp.int32)
     new_state = LossScalingState(
         inner_state=inner_state,
-        loss_scale=current.adjust(finite),
+        # Each attempt that overflowed in the training precision backs the
+        # scale off once: the fallback's success is not one of its steps.
+        loss_scale=current.adjust(
+            finite if recovery is None else finite & jnp.logical_not(fell_back)),
         skipped_steps=state.skipped_steps + lost,
         last_finite=finite,
         recovered_steps=state.recovered_steps

@@ -286,16 +286,18 @@ def check_recovery(recovery: Any, loss_scale: LossScale, owner: str) -> Recovery
   return recovery
 
 
-def step_loss_scale(recovery: RecoveryInfo) -> LossScale:
-  """The loss scale the recovered step continues from.
+def backed_off_after_fallback(recovery: RecoveryInfo) -> LossScale:
+  """The recovery's scale, backed off once more where the fallback succeeded.
 
-  The scale after the retries' backoffs; after a fallback, backed off once
-  more, for the overflow of the last attempt in the training precision.
+  The attempt at ``recovery.loss_scale`` overflowed too when the fallback
+  ran; each overflowed attempt backs the scale off once. (Where the fallback
+  failed as well, the optimizer's own backoff for the lost step counts it.)
   """
   scale = recovery.loss_scale
+  again = jnp.asarray(recovery.fell_back) & jnp.asarray(recovery.finite)
   backed_off = scale.adjust(jnp.zeros([], jnp.bool_))
   return jax.tree_util.tree_map(
-      lambda a, b: jnp.where(recovery.fell_back, a, b), backed_off, scale)
+      lambda a, b: jnp.where(again, a, b), backed_off, scale)
 
 
 def computed_at(recovery: RecoveryInfo) -> StaticLossScale:
