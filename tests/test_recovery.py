@@ -230,16 +230,6 @@ def test_train_state_policy_fallback_runs_the_loss_in_float32():
   assert int(state.metrics["lost_steps"]) == 0
 
 
-def test_train_state_refuses_a_bfloat16_fallback_without_native_bfloat16():
-  assert not jaxmp.hardware_report().native_bfloat16  # the CPU here
-  state = jaxmp.flax.TrainState.create(
-      apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1),
-      policy="mixed_float16")
-  with pytest.raises(ValueError, match=r"bfloat16, which is not native"):
-    state.value_and_grad(lambda p: jnp.sum(p["w"]),
-                         recover=jaxmp.Recover(fallback="mixed_bfloat16"))
-
-
 def test_nnx_recovery_passes_through_the_optimizer_and_keeps_batch_stats_of_the_recovered_attempt():
   from flax import nnx
 
