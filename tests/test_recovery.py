@@ -298,3 +298,37 @@ def test_axis_name_reduces_the_flag_over_shard_map():
       per_device, mesh=mesh, in_specs=(spec, spec), out_specs=spec))(w, x)
   # Device 5 needed two retries; the others, reduced with it, ran them too.
   np.testing.assert_array_equal(retries, np.full(8, 2, np.int32))
+
+
+# -- The benchmark's compiler figures, reduced ------------------------------------
+
+
+def _benchmark():
+  import importlib
+  import pathlib
+  import sys
+
+  benchmarks = str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks")
+  if benchmarks not in sys.path:
+    sys.path.insert(0, benchmarks)
+  return importlib.import_module("recovery")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Measured (docs/benchmarks.md): the lax.while_loop body holds a second "
+    "forward and backward pass, whose buffers XLA reserves even when it does not "
+    "run: temp memory is well above plain scaled_value_and_grad on a finite step. "
+    "Strict: this test fails the day the +0.5% target is met, to be flipped.")
+def test_a_finite_step_with_recovery_costs_within_half_a_percent_of_plain():
+  recovery = _benchmark()
+  args = recovery.build_parser().parse_args(
+      ["--d-model", "32", "--layers", "1", "--seq-len", "16", "--batch-size", "2"])
+  loss16, loss32, params = recovery.loss_fns(args)
+  steps, tx = recovery.make_steps(loss16, loss32)
+  batch = jnp.zeros((2, 17), jnp.int32)
+  state = (params, tx.init(params))
+  figures = recovery.compile_figures(
+      {k: steps[k] for k in ("plain", "recover")}, state, batch, dumps=False)
+  for key in ("bytes_accessed", "temp_bytes"):
+    assert figures["recover"][key] <= 1.005 * figures["plain"][key], key
