@@ -96,7 +96,11 @@ def loss_scaling(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
-    ``update`` are passed through to ``inner``.
+    ``update`` are passed through to ``inner``, except ``recovery=``: the
+    :class:`jaxmp.RecoveryInfo` of ``jaxmp.scaled_value_and_grad(...,
+    recover=jaxmp.Recover())``, which makes ``update`` unscale by the scale
+    the gradients were computed at, continue from the backed-off scale and
+    count ``recovered_steps``, ``fallback_steps`` and ``lost_steps``.
 
   Raises:
     TypeError: if ``loss_scale`` is not a loss scale or ``inner`` not an optax
