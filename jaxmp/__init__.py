@@ -51,6 +51,7 @@ from jaxmp._src.precision_audit import (
     precision_report,
 )
 from jaxmp._src.sharding import opt_state_shardings
+from jaxmp._src.recovery import Recover, RecoveryInfo
 from jaxmp._src.torch_scaler import from_torch_grad_scaler
 from jaxmp._src.value_and_grad import scaled_value_and_grad
 
@@ -84,6 +85,8 @@ __all__ = [
     "get_loss_scale",
     "loss_scaling_metrics",
     "scaled_value_and_grad",
+    "Recover",
+    "RecoveryInfo",
     "check_loss_scale",
     "LossScaleAtMinimumError",
     "multi_steps",

@@ -104,6 +104,35 @@ def jitted_update_on_unbound_axis():
   return jax.jit(tx.update)(PARAMS, tx.init(PARAMS), PARAMS)
 
 
+def recovering_grads(recover, fun=lambda w: jnp.sum(w["w"]) + jnp.sum(w["b"])):
+  return lambda: jaxmp.scaled_value_and_grad(
+      fun, jaxmp.DynamicLossScale(), recover=recover)(PARAMS)
+
+
+def update_with_recovery(recovery):
+  return lambda: TX.update(PARAMS, STATE, PARAMS, recovery=recovery)
+
+
+def recovery_of(loss_scale):
+  return jaxmp.scaled_value_and_grad(
+      lambda w: jnp.sum(w["w"]) + jnp.sum(w["b"]), loss_scale,
+      recover=jaxmp.Recover())(PARAMS)[2]
+
+
+def nnx_recovery_with_policy_fallback():
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  return jaxmp.flax.nnx_scaled_value_and_grad(
+      lambda m: jnp.sum(m(jnp.ones((1, 2)))), jaxmp.DynamicLossScale(),
+      recover=jaxmp.Recover(fallback="float32"))(model)
+
+
+def train_state_bf16_fallback():
+  state = jaxmp.flax.TrainState.create(
+      apply_fn=None, params=PARAMS, tx=optax.sgd(0.1), policy="mixed_float16")
+  return state.value_and_grad(lambda p: jnp.sum(p["w"]),
+                              recover=jaxmp.Recover(fallback="mixed_bfloat16"))
+
+
 VALID_DTYPES = r"Valid dtype names are: bf16, bfloat16, f16, f32"
 # Every error about a policy string lists the keys, the dtype names and the presets.
 POLICY_GRAMMAR = (r"Valid keys are p, params, c, compute, o, output\. " + VALID_DTYPES
@@ -114,6 +143,51 @@ SAME_PARAMS = r"Differentiate with respect to the same params you pass to update
 METRICS_FIX = r"Pass the dict returned by jaxmp\.loss_scaling_metrics\(opt_state\)"
 
 CASES = [
+    # -- Recovery -------------------------------------------------------------------
+    Case("Recover: negative max_retries", lambda: jaxmp.Recover(max_retries=-1),
+         ValueError, r"max_retries must be .*>= 0.*got -1",
+         r"Pass how many backed-off recomputes to try"),
+    Case("Recover: a fractional max_retries", lambda: jaxmp.Recover(max_retries=2.5),
+         TypeError, r"max_retries must be an integer.*2\.5",
+         r"Pass how many backed-off recomputes to try"),
+    Case("Recover: a float16 fallback", lambda: jaxmp.Recover(fallback="mixed_float16"),
+         ValueError, r"computes in float16, which overflows at scale 1",
+         r"Fall back to 'float32'"),
+    Case("Recover: an unknown fallback policy", lambda: jaxmp.Recover(fallback="fp33"),
+         ValueError, r"Recover\(fallback='fp33'\): the fallback must be None, a policy",
+         r"a function with the loss function's signature"),
+    Case("Recover: an unhashable axis name",
+         lambda: jaxmp.Recover(axis_name=["batch"]), TypeError,
+         r"must be hashable; got .*axis_name=\['batch'\]",
+         r"a string or tuple of strings"),
+    Case("scaled_value_and_grad: recover is not a Recover",
+         recovering_grads("yes"), TypeError,
+         r"recover='yes'\): recover must be a jaxmp\.Recover",
+         r"recover=jaxmp\.Recover\(max_retries=4, fallback='float32'\)"),
+    Case("scaled_value_and_grad: a policy fallback",
+         recovering_grads(jaxmp.Recover(fallback="float32")), TypeError,
+         r"the recovery fallback p=f32,c=f32,o=f32 is a policy",
+         r"Pass a function with the loss function's signature"),
+    Case("scaled_value_and_grad: recovery axis not bound",
+         lambda: jax.jit(recovering_grads(jaxmp.Recover(axis_name="batch")))(),
+         ValueError, r"Recover\(axis_name='batch'\)\): that axis name is not bound",
+         r"Call it inside jax\.shard_map or jax\.pmap"),
+    Case("loss_scaling: recovery is not a RecoveryInfo",
+         update_with_recovery({"retries": 1}), TypeError,
+         r"recovery must be the jaxmp\.RecoveryInfo .* got a dict",
+         r"scaled_value_and_grad\(\.\.\., recover=jaxmp\.Recover\(\)\) returned"),
+    Case("loss_scaling: recovery at another loss scale",
+         update_with_recovery(recovery_of(jaxmp.StaticLossScale(8.0))), ValueError,
+         r"the recovery's loss scale .*StaticLossScale.* is not the optimizer's",
+         r"jaxmp\.get_loss_scale\(opt_state\), recover="),
+    Case("nnx_scaled_value_and_grad: a policy fallback",
+         nnx_recovery_with_policy_fallback, TypeError,
+         r"fallback p=f32,c=f32,o=f32 is a policy, but an NNX model fixes its dtypes",
+         r"Pass a function with the loss function's signature"),
+    Case("TrainState.value_and_grad: a bfloat16 fallback without native bfloat16",
+         train_state_bf16_fallback, ValueError,
+         r"computes in bfloat16, which is not native on this cpu device",
+         r"Fall back to 'float32' here"),
     # -- Policies ------------------------------------------------------------
     Case("policy: empty string", lambda: jaxmp.get_policy(""), ValueError,
          r"Empty policy string", POLICY_GRAMMAR),

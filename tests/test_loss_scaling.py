@@ -371,13 +371,17 @@ def test_metrics_are_scalar_arrays_usable_in_jit():
       "loss_scale": ((), jnp.float32), "skipped": ((), jnp.int32),
       "skipped_steps": ((), jnp.int32), "last_finite": ((), jnp.bool_),
       "overflows_at_min": ((), jnp.int32),
-      "steps_since_adjustment": ((), jnp.int32)}
+      "steps_since_adjustment": ((), jnp.int32),
+      "recovered_steps": ((), jnp.int32), "fallback_steps": ((), jnp.int32),
+      "lost_steps": ((), jnp.int32)}
   # `skipped` is this step's 0/1, `skipped_steps` the running total.
   assert [m["skipped"] for m in history] == [0, 0, 1, 0]
   assert [m["skipped_steps"] for m in history] == [0, 0, 1, 1]
   assert history[-1] == {
       "loss_scale": 8.0, "skipped": 0, "skipped_steps": 1, "last_finite": True,
-      "overflows_at_min": 0, "steps_since_adjustment": 1}
+      "overflows_at_min": 0, "steps_since_adjustment": 1,
+      # Without recovery, a skipped step is a lost batch.
+      "recovered_steps": 0, "fallback_steps": 0, "lost_steps": 1}
 
 
 # -- check_loss_scale ---------------------------------------------------------

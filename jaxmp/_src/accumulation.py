@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.loss_scaling import wrap_with_loss_scaling
+from jaxmp._src.recovery import check_recovery, backed_off_after_fallback
 from jaxmp._src.validation import check_number
 
 
@@ -31,6 +33,18 @@ def multi_steps(
   accumulation was non-finite, the whole accumulated step is skipped (zero
   updates, inner state bit-identical), the scale backs off once, and the next
   accumulation starts from a clean, zero accumulator.
+
+  **Recovery.** With gradients from
+  ``jaxmp.scaled_value_and_grad(..., recover=jaxmp.Recover())``, pass
+  ``update(grads, state, params, recovery=recovery)`` for each micro-batch. A
+  micro-batch recovered at a backed-off scale makes the whole accumulation
+  adopt that scale at once: the accumulator is rescaled by ``new / old`` (a
+  power of two for the default factors, so exact barring underflow), the
+  fallback's gradients (computed at scale 1) are multiplied by the new scale,
+  both in float32, and the next micro-batches are computed at the new scale.
+  ``recovered_steps`` and ``fallback_steps`` count micro-batches;
+  ``skipped_steps`` and ``lost_steps`` count optimizer steps (a micro-batch
+  lost even after recovery loses its accumulation, as above).
 
   ``optax.MultiSteps`` alone resets its accumulator by multiplying it by zero,
   which keeps a nan (``0 * nan = nan``): one bad micro-batch would make every
@@ -89,6 +103,9 @@ def multi_steps(
   )
 
   def update_fn(updates, state, params=None, **extra_args):
+    recovery = extra_args.pop("recovery", None)
+    if recovery is not None:
+      updates, state = _adopt_recovery(updates, state, recovery)
     updates, state = accumulate.update(updates, state, params, **extra_args)
     emitted = state.mini_step == 0
     acc_grads = optax.tree.where(
@@ -96,3 +113,41 @@ def multi_steps(
     return updates, state._replace(acc_grads=acc_grads)
 
   return optax.GradientTransformationExtraArgs(accumulate.init, update_fn)
+
+
+def _times(tree: Any, factor: jax.Array) -> Any:
+  """Each leaf times the float32 ``factor``, computed in at least float32."""
+  return jax.tree_util.tree_map(
+      lambda x: (x.astype(jnp.promote_types(x.dtype, jnp.float32)) * factor
+                 ).astype(x.dtype), tree)
+
+
+def _adopt_recovery(grads: Any, state: optax.MultiStepsState,
+                    recovery: Any) -> tuple[Any, optax.MultiStepsState]:
+  """Puts a recovered micro-batch and the accumulator in the same scale units.
+
+  The accumulation adopts the recovered, backed-off scale at once: the
+  accumulator is multiplied by ``new / old`` (at most 1, a power of two for
+  the default factors, so exact barring underflow), the fallback's gradients
+  (computed at scale 1) by the new scale, both in float32, and the
+  loss-scaling state takes the new scale, so that the next micro-batches are
+  computed at it. ``recovered_steps`` and ``fallback_steps`` count
+  micro-batches; ``skipped_steps`` and ``lost_steps`` optimizer steps.
+  """
+  scaling = state.inner_opt_state
+  recovery = check_recovery(recovery, scaling.loss_scale, "jaxmp.multi_steps")
+  new_scale = backed_off_after_fallback(recovery)
+  old_value = jnp.asarray(scaling.loss_scale.loss_scale, jnp.float32)
+  new_value = jnp.asarray(new_scale.loss_scale, jnp.float32)
+  fell_back = jnp.asarray(recovery.fell_back)
+  finite = jnp.asarray(recovery.finite)
+  recovered = (jnp.asarray(recovery.retries) > 0) | fell_back
+  grads = _times(grads, jnp.where(fell_back, new_value, jnp.float32(1)))
+  acc_grads = _times(state.acc_grads, new_value / old_value)
+  scaling = scaling._replace(
+      loss_scale=new_scale,
+      recovered_steps=scaling.recovered_steps
+      + (recovered & finite).astype(jnp.int32),
+      fallback_steps=scaling.fallback_steps + (fell_back & finite).astype(jnp.int32),
+  )
+  return grads, state._replace(inner_opt_state=scaling, acc_grads=acc_grads)

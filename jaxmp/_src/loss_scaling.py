@@ -20,6 +20,7 @@ import optax
 
 from jaxmp._src.inplace_select import check_same_structure, update_or_keep
 from jaxmp._src.loss_scale import LossScale, NoOpLossScale, all_finite
+from jaxmp._src.recovery import check_recovery, computed_at
 from jaxmp._src.validation import check_bool, check_number
 
 AxisName = Any  # a hashable axis name or a tuple of them
@@ -35,12 +36,21 @@ class LossScalingState(NamedTuple):
     loss_scale: the current loss scale (a :class:`jaxmp.LossScale`).
     skipped_steps: int32, the number of steps skipped so far.
     last_finite: bool, whether the last step's gradients were finite.
+    recovered_steps: int32, the steps whose batch was recovered inside the
+      step (by a backed-off retry or the fallback; see :class:`jaxmp.Recover`).
+    fallback_steps: int32, the steps among those recovered by the fallback.
+    lost_steps: int32, the steps whose batch was lost: still non-finite after
+      any recovery, so skipped (equal to ``skipped_steps``; the name says
+      what a skip costs).
   """
 
   inner_state: optax.OptState
   loss_scale: LossScale
   skipped_steps: jax.Array
   last_finite: jax.Array
+  recovered_steps: jax.Array
+  fallback_steps: jax.Array
+  lost_steps: jax.Array
 
 
 def _to_device_state(loss_scale: LossScale) -> LossScale:
@@ -101,7 +111,11 @@ def loss_scaling(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
-    ``update`` are passed through to ``inner``.
+    ``update`` are passed through to ``inner``, except ``recovery=``: the
+    :class:`jaxmp.RecoveryInfo` of ``jaxmp.scaled_value_and_grad(...,
+    recover=jaxmp.Recover())``, which makes ``update`` unscale by the scale
+    the gradients were computed at, continue from the backed-off scale and
+    count ``recovered_steps``, ``fallback_steps`` and ``lost_steps``.
 
   Raises:
     TypeError: if ``loss_scale`` is not a loss scale or ``inner`` not an optax
@@ -173,6 +187,9 @@ def wrap_with_loss_scaling(
         loss_scale=_to_device_state(loss_scale),
         skipped_steps=jnp.zeros([], jnp.int32),
         last_finite=jnp.ones([], jnp.bool_),
+        recovered_steps=jnp.zeros([], jnp.int32),
+        fallback_steps=jnp.zeros([], jnp.int32),
+        lost_steps=jnp.zeros([], jnp.int32),
     )
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -189,8 +206,20 @@ def wrap_with_loss_scaling(
           fix="Differentiate with respect to the same params you pass to "
           "update (e.g. jaxmp.scaled_value_and_grad(loss_fn, loss_scale)"
           "(params)).")
-    current = state.loss_scale
-    grads, finite = clip_and_check(current.unscale(updates), clip_global_norm)
+    recovery = extra_args.pop("recovery", None)
+    if recovery is None:
+      current = state.loss_scale
+      unscaled = current.unscale(updates)
+      recovered = fell_back = jnp.zeros([], jnp.bool_)
+    else:
+      recovery = check_recovery(recovery, state.loss_scale, owner)
+      # Unscale by the scale the gradients were computed at; continue from
+      # the backed-off one (see recovery.py).
+      unscaled = computed_at(recovery).unscale(updates)
+      current = recovery.loss_scale
+      fell_back = jnp.asarray(recovery.fell_back)
+      recovered = (jnp.asarray(recovery.retries) > 0) | fell_back
+    grads, finite = clip_and_check(unscaled, clip_global_norm)
     if not guard:
       inner_updates, inner_state = inner.update(
           grads, state.inner_state, params, **extra_args)
@@ -216,12 +245,19 @@ def wrap_with_loss_scaling(
     updates = jax.tree_util.tree_map(
         lambda u: jnp.where(finite, u, jnp.asarray(-0.0, u.dtype)), inner_updates
     )
+    lost = jnp.logical_not(finite).astype(jnp.int32)
     new_state = LossScalingState(
         inner_state=inner_state,
-        loss_scale=current.adjust(finite),
-        skipped_steps=state.skipped_steps
-        + jnp.logical_not(finite).astype(jnp.int32),
+        # Each attempt that overflowed in the training precision backs the
+        # scale off once: the fallback's success is not one of its steps.
+        loss_scale=current.adjust(
+            finite if recovery is None else finite & jnp.logical_not(fell_back)),
+        skipped_steps=state.skipped_steps + lost,
         last_finite=finite,
+        recovered_steps=state.recovered_steps
+        + (recovered & finite).astype(jnp.int32),
+        fallback_steps=state.fallback_steps + (fell_back & finite).astype(jnp.int32),
+        lost_steps=state.lost_steps + lost,
     )
     return updates, new_state
 
@@ -538,7 +574,13 @@ def loss_scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
   * ``overflows_at_min`` (int32): overflows that found the scale at its
     minimum (0 for static and no-op scales);
   * ``steps_since_adjustment`` (int32): the dynamic scale's counter (0 for
-    the others).
+    the others);
+  * ``recovered_steps`` (int32): steps whose batch was recovered inside the
+    step, by a backed-off retry or the fallback (see :class:`jaxmp.Recover`;
+    0 without recovery), cumulative;
+  * ``fallback_steps`` (int32): those recovered by the fallback, cumulative;
+  * ``lost_steps`` (int32): steps whose batch was lost (non-finite even
+    after recovery, so skipped); without recovery, the skipped steps.
 
   Warns as :func:`get_loss_scale` does.
 
@@ -564,4 +606,7 @@ def metrics_of(state: LossScalingState) -> dict[str, jax.Array]:
   metrics["skipped"] = jnp.logical_not(last_finite).astype(jnp.int32)
   metrics["skipped_steps"] = jnp.asarray(state.skipped_steps)
   metrics["last_finite"] = last_finite
+  metrics["recovered_steps"] = jnp.asarray(state.recovered_steps)
+  metrics["fallback_steps"] = jnp.asarray(state.fallback_steps)
+  metrics["lost_steps"] = jnp.asarray(state.lost_steps)
   return metrics

@@ -7,12 +7,14 @@ string grammar (``"p=f32,c=bf16,o=f32"``), a few presets and plain dtype names.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import difflib
 import functools
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import jax
@@ -306,6 +308,29 @@ def cast_apply_output(io_policy: "Policy", result: Any,
   return io_policy.cast_to_output(result)
 
 
+# The policy every wrapped apply function runs under while a recovery fallback
+# is traced (jaxmp.Recover(fallback="float32")); None otherwise.
+_APPLY_POLICY_OVERRIDE: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "jaxmp_apply_policy_override", default=None)
+
+
+@contextlib.contextmanager
+def apply_policy_override(policy: "Policy") -> Iterator[None]:
+  """Within the block, every ``wrap_apply`` function runs under ``policy``.
+
+  Used at trace time by the recovery fallback of
+  :meth:`jaxmp.flax.TrainState.value_and_grad`: the loss function calls
+  ``state.apply_fn``, which was wrapped with the training policy, and must run
+  under the fallback policy instead. A model's own ``dtype=`` declarations
+  still win inside the model.
+  """
+  token = _APPLY_POLICY_OVERRIDE.set(policy)
+  try:
+    yield
+  finally:
+    _APPLY_POLICY_OVERRIDE.reset(token)
+
+
 class WrappedApply:
   """What ``wrap_apply`` returns: ``run(policy, apply_fn, *args, **kwargs)``.
 
@@ -320,6 +345,9 @@ class WrappedApply:
     functools.update_wrapper(self, apply_fn, updated=())
 
   def __call__(self, *args, **kwargs):
+    override = _APPLY_POLICY_OVERRIDE.get()
+    if override is not None:  # a recovery fallback is being traced
+      return _apply_under(override, self.apply_fn, *args, **kwargs)
     return self._run(self.policy, self.apply_fn, *args, **kwargs)
 
   def _key(self) -> tuple[Any, ...]:

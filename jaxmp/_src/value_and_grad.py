@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp._src.loss_scale import LossScale
+from jaxmp._src.loss_scale import LossScale, NoOpLossScale
+from jaxmp._src.recovery import Recover, check_recover, recovering
 
 _ARRAY_LEAVES = (jax.Array, np.ndarray, np.generic, int, float, complex, bool)
 
@@ -21,6 +22,7 @@ def scaled_value_and_grad(
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     value_and_grad: Callable[..., Any] = jax.value_and_grad,
+    recover: Recover | None = None,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, but differentiates the scaled loss.
 
@@ -47,10 +49,17 @@ def scaled_value_and_grad(
     argnums: which positional arguments to differentiate.
     has_aux: whether ``fun`` returns ``(loss, aux)``.
     value_and_grad: the value-and-grad transformation to use.
+    recover: a :class:`jaxmp.Recover` to recompute the same batch, inside the
+      step, when its gradients are not finite: at backed-off scales, then
+      under ``recover.fallback`` (here a function with ``fun``'s signature
+      computing in the fallback precision). Default None: no recovery.
 
   Returns:
     A function with the signature of ``fun`` returning ``(loss, grads)`` or
-    ``((loss, aux), grads)``.
+    ``((loss, aux), grads)``; with ``recover``, ``(loss, grads, recovery)``
+    (or ``((loss, aux), grads, recovery)``), where ``recovery`` is the
+    :class:`jaxmp.RecoveryInfo` to pass on as ``tx.update(grads, opt_state,
+    params, recovery=recovery)``.
 
   Raises:
     TypeError: if ``loss_scale`` is not a loss scale, if ``argnums`` is not 0
@@ -66,10 +75,26 @@ def scaled_value_and_grad(
     ...     loss_fn, jaxmp.StaticLossScale(4.0))(jnp.array([1.0, 2.0]))
     >>> float(loss), grads
     (5.0, Array([ 8., 16.], dtype=float32))
+
+    With ``recover``, a batch whose float16 gradients overflow at ``2**15``
+    is recomputed at ``2**14``, and the optimizer is told so:
+
+    >>> import optax
+    >>> fun = lambda w: jnp.sum(w.astype(jnp.float16) * 3.0)  # fp16 grads
+    >>> tx = jaxmp.loss_scaling(optax.sgd(1e-6), jaxmp.DynamicLossScale(2.0**15))
+    >>> w = jnp.ones(2)
+    >>> state = tx.init(w)
+    >>> loss, grads, recovery = jaxmp.scaled_value_and_grad(
+    ...     fun, jaxmp.get_loss_scale(state), recover=jaxmp.Recover())(w)
+    >>> updates, state = tx.update(grads, state, w, recovery=recovery)
+    >>> int(recovery.retries), float(jaxmp.get_loss_scale(state).loss_scale)
+    (1, 16384.0)
+    >>> int(jaxmp.loss_scaling_metrics(state)["recovered_steps"])
+    1
   """
   return scale_then_differentiate(
       value_and_grad, fun, loss_scale, argnums=argnums, has_aux=has_aux,
-      caller="scaled_value_and_grad",
+      recover=recover, caller="scaled_value_and_grad",
       state_hint="With an optimizer state, pass jaxmp.get_loss_scale(opt_state).")
 
 
@@ -115,6 +140,8 @@ def scale_then_differentiate(
     has_aux: bool,
     caller: str,
     state_hint: str,
+    recover: Recover | None = None,
+    fallback_fun: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
   """``value_and_grad`` (JAX's, NNX's, Equinox's) of ``loss_scale.scale(fun(...))``.
 
@@ -134,56 +161,112 @@ def scale_then_differentiate(
         f"{value_and_grad!r}."
     )
 
-  def scaled(*args, **kwargs):
-    out = fun(*args, **kwargs)
-    if has_aux:
-      if not (isinstance(out, tuple) and len(out) == 2):
-        raise TypeError(
-            f"{caller}(has_aux=True) expects fun to return a pair (loss, aux); "
-            f"got {type(out).__name__}."
-        )
-      loss, aux = out
-    else:
-      loss, aux = out, None
-    if np.shape(loss) != ():
-      raise TypeError(
-          f"{caller} expects fun to return a scalar loss, got shape "
-          f"{np.shape(loss)}. Reduce it first, e.g. with jnp.mean(...)."
-      )
-    dtype = jnp.result_type(loss)
-    if jnp.issubdtype(dtype, jnp.complexfloating):
-      raise TypeError(
-          f"{caller} expects fun to return a real floating-point loss, got "
-          f"dtype {dtype}: only its real part would be differentiated "
-          "(jax.value_and_grad refuses it too). Return a real loss, e.g. "
-          "jnp.abs(z) ** 2 or z.real."
-      )
-    if not jnp.issubdtype(dtype, jnp.floating):
-      raise TypeError(
-          f"{caller} expects fun to return a real floating-point loss, got "
-          f"dtype {dtype}, whose gradients are all zero (jax.value_and_grad "
-          "refuses it too). Compute the loss from floating values, e.g. "
-          "x.astype(jnp.float32)."
-      )
-    return loss_scale.scale(loss), (loss, aux)
+  differentiate = differentiator(value_and_grad, argnums=argnums, has_aux=has_aux,
+                                 caller=caller)
+  grad_at = differentiate(fun)
+  check_leaves = value_and_grad is jax.value_and_grad
+  if recover is None:
 
-  if _takes_argnums(value_and_grad):
-    grad_fn = value_and_grad(scaled, argnums=argnums, has_aux=True)
-  elif argnums != 0:
+    def scaled_value_and_grad_fn(*args, **kwargs):
+      if check_leaves:
+        _check_array_leaves(args, argnums, caller)
+      return grad_at(loss_scale, *args, **kwargs)
+
+    return scaled_value_and_grad_fn
+
+  recover = check_recover(recover, caller)
+  fallback = recover.fallback if fallback_fun is None else fallback_fun
+  if fallback is not None and not callable(fallback):
+    raise TypeError(
+        f"{caller}: the recovery fallback {fallback} is a policy, which "
+        f"{caller} cannot apply to an arbitrary loss function. Pass a "
+        "function with the loss function's signature that computes in the "
+        "fallback precision, jaxmp.Recover(fallback=loss_fn_in_float32), or "
+        "use jaxmp.flax.TrainState.value_and_grad, which runs the loss under "
+        "a fallback policy.")
+  fallback_at = None if fallback is None else differentiate(fallback)
+  no_scale = NoOpLossScale()
+
+  def recovering_value_and_grad_fn(*args, **kwargs):
+    if check_leaves:
+      _check_array_leaves(args, argnums, caller)
+    fallback_attempt = None if fallback_at is None else (
+        lambda: fallback_at(no_scale, *args, **kwargs))
+    return recovering(
+        lambda scale: grad_at(scale, *args, **kwargs), fallback_attempt,
+        loss_scale, recover, caller)
+
+  return recovering_value_and_grad_fn
+
+
+def differentiator(value_and_grad: Callable[..., Any], *, argnums: int | Sequence[int],
+                   has_aux: bool, caller: str) -> Callable[..., Any]:
+  """``differentiate(f)`` giving ``at(scale, *args, **kwargs)``.
+
+  ``at`` returns the unscaled loss (with aux when ``has_aux``) of
+  ``f(*args, **kwargs)`` and the gradients of ``scale.scale(loss)``, taken
+  with ``value_and_grad``.
+
+  Raises:
+    TypeError: if ``argnums`` is not 0 for a ``value_and_grad`` without
+      ``argnums``.
+  """
+  takes_argnums = _takes_argnums(value_and_grad)
+  if not takes_argnums and argnums != 0:
     raise TypeError(
         f"{caller}(argnums={argnums!r}): {_name(value_and_grad)} takes no "
         "argnums; it differentiates the first argument. Put what you "
         "differentiate first (several objects as one tuple), and leave "
         "argnums at 0."
     )
+
+  def differentiate(f):
+    def at(scale, *args, **kwargs):
+      def scaled(*args, **kwargs):
+        return _checked_scaled_loss(f, scale, has_aux, caller, args, kwargs)
+
+      if takes_argnums:
+        grad_fn = value_and_grad(scaled, argnums=argnums, has_aux=True)
+      else:
+        grad_fn = value_and_grad(scaled, has_aux=True)
+      (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
+      return ((loss, aux) if has_aux else loss), grads
+
+    return at
+
+  return differentiate
+
+
+def _checked_scaled_loss(fun, loss_scale, has_aux, caller, args, kwargs):
+  """``(loss_scale.scale(loss), (loss, aux))`` of ``fun(*args, **kwargs)``, checked."""
+  out = fun(*args, **kwargs)
+  if has_aux:
+    if not (isinstance(out, tuple) and len(out) == 2):
+      raise TypeError(
+          f"{caller}(has_aux=True) expects fun to return a pair (loss, aux); "
+          f"got {type(out).__name__}."
+      )
+    loss, aux = out
   else:
-    grad_fn = value_and_grad(scaled, has_aux=True)
-  check_leaves = value_and_grad is jax.value_and_grad
-
-  def scaled_value_and_grad_fn(*args, **kwargs):
-    if check_leaves:
-      _check_array_leaves(args, argnums, caller)
-    (_, (loss, aux)), grads = grad_fn(*args, **kwargs)
-    return ((loss, aux) if has_aux else loss), grads
-
-  return scaled_value_and_grad_fn
+    loss, aux = out, None
+  if np.shape(loss) != ():
+    raise TypeError(
+        f"{caller} expects fun to return a scalar loss, got shape "
+        f"{np.shape(loss)}. Reduce it first, e.g. with jnp.mean(...)."
+    )
+  dtype = jnp.result_type(loss)
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    raise TypeError(
+        f"{caller} expects fun to return a real floating-point loss, got "
+        f"dtype {dtype}: only its real part would be differentiated "
+        "(jax.value_and_grad refuses it too). Return a real loss, e.g. "
+        "jnp.abs(z) ** 2 or z.real."
+    )
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise TypeError(
+        f"{caller} expects fun to return a real floating-point loss, got "
+        f"dtype {dtype}, whose gradients are all zero (jax.value_and_grad "
+        "refuses it too). Compute the loss from floating values, e.g. "
+        "x.astype(jnp.float32)."
+    )
+  return loss_scale.scale(loss), (loss, aux)

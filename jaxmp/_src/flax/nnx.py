@@ -9,10 +9,11 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxmp._src.loss_scale import LossScale
+from jaxmp._src.loss_scale import LossScale, NoOpLossScale
 from jaxmp._src.loss_scaling import _find_state
 from jaxmp._src.precision_audit import warn_on_first_trace
-from jaxmp._src.value_and_grad import scale_then_differentiate
+from jaxmp._src.recovery import Recover, check_recover, recovering
+from jaxmp._src.value_and_grad import differentiator, scale_then_differentiate
 
 
 def nnx_scaled_value_and_grad(
@@ -21,6 +22,7 @@ def nnx_scaled_value_and_grad(
     *,
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
+    recover: Recover | None = None,
 ) -> Callable[..., Any]:
   """Like ``nnx.value_and_grad``, but differentiates the scaled loss.
 
@@ -42,13 +44,24 @@ def nnx_scaled_value_and_grad(
       ``jaxmp.get_loss_scale(optimizer.opt_state)``.
     argnums: which positional arguments to differentiate.
     has_aux: whether ``fun`` returns ``(loss, aux)``.
+    recover: a :class:`jaxmp.Recover` to recompute the batch inside the step
+      when its gradients are not finite (see
+      :func:`jaxmp.scaled_value_and_grad`). Its ``fallback`` must be a
+      function with ``fun``'s signature computing in the fallback precision
+      (an NNX model fixes its dtype in its layers, so a policy cannot be
+      applied from outside). Each attempt runs on a copy of the arguments;
+      the variable updates of the attempt whose gradients are returned
+      (BatchNorm statistics) are written back to the model. Pass the
+      returned ``recovery`` on: ``optimizer.update(model, grads,
+      recovery=recovery)`` (``nnx.Optimizer`` passes it to the optimizer).
 
   Returns:
     A function with the signature of ``fun`` returning ``(loss, grads)`` or
-    ``((loss, aux), grads)``.
+    ``((loss, aux), grads)``; with ``recover``, ``(loss, grads, recovery)``.
 
   Raises:
-    TypeError: if ``loss_scale`` is not a loss scale.
+    TypeError: if ``loss_scale`` is not a loss scale, or ``recover`` has a
+      policy fallback.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
@@ -71,11 +84,14 @@ def nnx_scaled_value_and_grad(
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  grad_fn = scale_then_differentiate(
-      nnx.value_and_grad, fun, loss_scale, argnums=argnums, has_aux=has_aux,
-      caller="nnx_scaled_value_and_grad",
-      state_hint="With an nnx.Optimizer, pass "
-      "jaxmp.get_loss_scale(optimizer.opt_state).")
+  if recover is None:
+    grad_fn = scale_then_differentiate(
+        nnx.value_and_grad, fun, loss_scale, argnums=argnums, has_aux=has_aux,
+        caller="nnx_scaled_value_and_grad",
+        state_hint="With an nnx.Optimizer, pass "
+        "jaxmp.get_loss_scale(optimizer.opt_state).")
+  else:
+    grad_fn = _recovering(fun, loss_scale, argnums, has_aux, recover)
 
   def on_a_copy(args, kwargs):  # the audit traces a copy: the model is untouched
     graphdef, state = nnx.split((args, kwargs))
@@ -86,6 +102,55 @@ def nnx_scaled_value_and_grad(
   return warn_on_first_trace(
       grad_fn, fun, compute_dtype=None, caller="nnx_scaled_value_and_grad",
       prepare=on_a_copy)
+
+
+def _recovering(fun, loss_scale, argnums, has_aux, recover):
+  """The recovering NNX value-and-grad: every attempt on a copy of the arguments.
+
+  A retry runs inside ``lax.while_loop``, where NNX objects of the outer
+  trace cannot be updated; so each attempt merges a fresh copy from the
+  split state, and the state the chosen attempt leaves is written back once,
+  at the end.
+  """
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  caller = "nnx_scaled_value_and_grad"
+  if not isinstance(loss_scale, LossScale):
+    raise TypeError(
+        f"{caller} expects a loss scale as its second argument, got a "
+        f"{type(loss_scale).__name__}. With an nnx.Optimizer, pass "
+        "jaxmp.get_loss_scale(optimizer.opt_state).")
+  recover = check_recover(recover, caller)
+  if recover.fallback is not None and not callable(recover.fallback):
+    raise TypeError(
+        f"{caller}: the recovery fallback {recover.fallback} is a policy, but "
+        "an NNX model fixes its dtypes in its layers, so a policy cannot be "
+        "applied from outside. Pass a function with the loss function's "
+        "signature that computes in the fallback precision, e.g. one that "
+        "runs a float32 twin of the model: jaxmp.Recover(fallback=loss_fn_f32).")
+  differentiate = differentiator(
+      nnx.value_and_grad, argnums=argnums, has_aux=has_aux, caller=caller)
+  grad_at = differentiate(fun)
+  fallback_at = None if recover.fallback is None else differentiate(recover.fallback)
+
+  def value_and_grad_fn(*args, **kwargs):
+    graphdef, state = nnx.split((args, kwargs))
+    state = nnx.as_pure(state)  # arrays: a copy merged in a loop body owns its Variables
+
+    def on_a_copy(at, scale):
+      a, k = nnx.merge(graphdef, state)
+      out, grads = at(scale, *a, **k)
+      return (out, nnx.as_pure(nnx.split((a, k))[1])), grads
+
+    fallback_attempt = None if fallback_at is None else (
+        lambda: on_a_copy(fallback_at, NoOpLossScale()))
+    (out, new_state), grads, recovery = recovering(
+        lambda scale: on_a_copy(grad_at, scale), fallback_attempt, loss_scale,
+        recover, caller)
+    nnx.update((args, kwargs), new_state)
+    return out, grads, recovery
+
+  return value_and_grad_fn
 
 
 @contextlib.contextmanager

@@ -23,8 +23,10 @@ from jaxmp._src.loss_scaling import (
   loss_scaling_metrics,
 )
 from jaxmp._src.precision_audit import warn_on_first_trace
+from jaxmp._src.policy import apply_policy_override
+from jaxmp._src.recovery import Recover, check_recover, fallback_policy
 from jaxmp._src.validation import check_bool
-from jaxmp._src.value_and_grad import scaled_value_and_grad
+from jaxmp._src.value_and_grad import scale_then_differentiate
 
 
 class TrainState(train_state.TrainState):
@@ -182,7 +184,8 @@ class TrainState(train_state.TrainState):
         **kwargs,
     )
 
-  def apply_gradients(self, *, grads: Any, **kwargs) -> "TrainState":
+  def apply_gradients(self, *, grads: Any, recovery: Any = None,
+                      **kwargs) -> "TrainState":
     """Applies the scaled gradients; on a skipped step changes nothing.
 
     Runs the loss-scaling optimizer on ``grads`` (the gradients of the
@@ -203,6 +206,10 @@ class TrainState(train_state.TrainState):
     Args:
       grads: the gradients of the scaled loss, with the structure of
         ``params``.
+      recovery: the :class:`jaxmp.RecoveryInfo` that
+        ``value_and_grad(loss_fn, recover=...)`` returned with ``grads``
+        (not a field: it is passed on to the optimizer, which unscales by the
+        scale the gradients were computed at). Default None.
       **kwargs: other fields to replace, as in Flax.
 
     Returns:
@@ -236,7 +243,14 @@ class TrainState(train_state.TrainState):
             f"{name}: Any) and give its first value to create(..., "
             f"{name}=...)."
         )
-    new_state = super().apply_gradients(grads=grads)
+    if recovery is None:
+      new_state = super().apply_gradients(grads=grads)
+    else:
+      updates, opt_state = self.tx.update(
+          grads, self.opt_state, self.params, recovery=recovery)
+      new_state = self.replace(
+          step=self.step + 1, params=optax.apply_updates(self.params, updates),
+          opt_state=opt_state)
     if not kwargs:
       return new_state
     finite = loss_scaling_metrics(new_state.opt_state)["last_finite"]
@@ -261,7 +275,8 @@ class TrainState(train_state.TrainState):
     return loss_scaling_metrics(self.opt_state)
 
   def value_and_grad(
-      self, loss_fn: Callable[..., Any], has_aux: bool = False
+      self, loss_fn: Callable[..., Any], has_aux: bool = False,
+      recover: Recover | None = None,
   ) -> Callable[..., Any]:
     """Returns a function of ``(params, *args, **kwargs)`` giving loss and grads.
 
@@ -284,9 +299,36 @@ class TrainState(train_state.TrainState):
       loss_fn: ``loss_fn(params, *args, **kwargs)`` returning a scalar loss,
         or ``(loss, aux)`` when ``has_aux``.
       has_aux: whether ``loss_fn`` returns auxiliary data.
+      recover: a :class:`jaxmp.Recover` to recompute the batch inside the
+        step when its gradients are not finite. A policy ``fallback``
+        (``"float32"``) runs ``loss_fn`` under that policy at scale 1: the
+        params and floating inputs are cast to its compute dtype, and
+        ``state.apply_fn`` runs under it (a model's own ``dtype=``
+        declarations still win inside the model); a callable fallback is
+        called as ``loss_fn`` is. Pass the returned ``recovery`` on:
+        ``state.apply_gradients(grads=grads, recovery=recovery)``.
 
     Returns:
-      The function described above.
+      The function described above; with ``recover``, it returns
+      ``(loss, grads, recovery)``.
+
+    Raises:
+      ValueError: if the state has no policy, or the fallback policy computes
+        in bfloat16 where :func:`jaxmp.hardware_report` says it is not native.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
+      >>> state = jaxmp.flax.TrainState.create(
+      ...     apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(2.0**-14),
+      ...     policy="mixed_float16", loss_scale=jaxmp.DynamicLossScale(2.0**15))
+      >>> loss_fn = lambda params: jnp.sum(params["w"] * 16384.0)  # fp16 grads overflow
+      >>> loss, grads, recovery = state.value_and_grad(
+      ...     loss_fn, recover=jaxmp.Recover(max_retries=1, fallback="float32"))(state.params)
+      >>> state = state.apply_gradients(grads=grads, recovery=recovery)
+      >>> bool(recovery.fell_back), int(state.metrics["fallback_steps"])
+      (True, 1)
+      >>> state.params["w"]
+      Array([0., 0.], dtype=float32)
     """
     policy = self.policy
     if policy is None:
@@ -311,7 +353,25 @@ class TrainState(train_state.TrainState):
       def run(params, *args, **kwargs):  # noqa: F811
         return io_policy.cast_to_output(cast_loss(params, *args, **kwargs))
 
-    grad_fn = scaled_value_and_grad(run, self.loss_scale, has_aux=has_aux)
+
+    fallback_fun = None
+    if recover is not None:
+      recover = check_recover(recover, "TrainState.value_and_grad")
+      fallback = fallback_policy(recover, "TrainState.value_and_grad")
+      fallback_fun = recover.fallback
+      if fallback is not None:
+
+        def fallback_fun(params, *args, **kwargs):
+          params = fallback.params_for_compute(params)
+          args, kwargs = fallback.cast_to_compute((args, kwargs))
+          with apply_policy_override(fallback):
+            return fallback.cast_to_output(loss_fn(params, *args, **kwargs))
+
+    grad_fn = scale_then_differentiate(
+        jax.value_and_grad, run, self.loss_scale, argnums=0, has_aux=has_aux,
+        recover=recover, fallback_fun=fallback_fun,
+        caller="TrainState.value_and_grad",
+        state_hint="It reads the state's own loss scale.")
     # At trace time, once per compilation: warn if the policy does not take
     # effect (docs/precision-audit.md).
     return warn_on_first_trace(

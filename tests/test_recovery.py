@@ -1,0 +1,334 @@
+"""Recovering a non-finite batch inside the step (jaxmp.Recover)."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxmp
+
+F16 = jnp.float16
+# The fp16 backward pass computes scale * x * cos(w): with x = 6 it is over
+# 65504 at 2**15 and 2**14, not at 2**13; with x = 0.6 it is finite at 2**15.
+W = jnp.linspace(0.0, 0.5, 8, dtype=jnp.float32)
+OVERFLOWS = jnp.full(8, 6.0)
+FINITE = jnp.full(8, 0.6)
+
+
+def overflowing_loss(w, x):
+  return jnp.sum(jnp.sin(w.astype(F16)) * x.astype(F16)).astype(jnp.float32)
+
+
+def float32_loss(w, x):
+  return jnp.sum(jnp.sin(w) * x)
+
+
+def make_step(tx, recover, fun=overflowing_loss):
+  @jax.jit
+  def step(w, opt_state, x):
+    scale = jaxmp.get_loss_scale(opt_state)
+    if recover is None:
+      loss, grads = jaxmp.scaled_value_and_grad(fun, scale)(w, x)
+      updates, opt_state = tx.update(grads, opt_state, w)
+      recovery = None
+    else:
+      loss, grads, recovery = jaxmp.scaled_value_and_grad(
+          fun, scale, recover=recover)(w, x)
+      updates, opt_state = tx.update(grads, opt_state, w, recovery=recovery)
+    return optax.apply_updates(w, updates), opt_state, loss, recovery
+  return step
+
+
+def test_a_batch_that_overflows_only_at_the_current_scale_is_recovered():
+  tx = jaxmp.loss_scaling(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**15))
+  state = tx.init(W)
+  step = make_step(tx, jaxmp.Recover(max_retries=4))
+  w, state, loss, recovery = step(W, state, OVERFLOWS)
+  assert int(recovery.retries) == 2 and bool(recovery.finite)
+  assert not bool(recovery.fell_back)
+  # The scale backed off once per retry: 2**15 -> 2**14 -> 2**13.
+  assert float(recovery.loss_scale.loss_scale) == 2.0**13
+  metrics = jaxmp.loss_scaling_metrics(state)
+  assert int(metrics["recovered_steps"]) == 1
+  assert int(metrics["skipped_steps"]) == int(metrics["lost_steps"]) == 0
+  assert int(metrics["fallback_steps"]) == 0
+
+  # The same step computed directly at the lower scale, without recovery:
+  # the same elementwise fp16 program, so the same bits.
+  direct_tx = jaxmp.loss_scaling(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**13))
+  direct_state = direct_tx.init(W)
+  direct_w, direct_state, direct_loss, _ = make_step(direct_tx, None)(
+      W, direct_state, OVERFLOWS)
+  chex.assert_trees_all_equal(w, direct_w)
+  chex.assert_trees_all_equal(loss, direct_loss)
+  chex.assert_trees_all_equal(state.inner_state, direct_state.inner_state)
+  # The loss scale continues as if the overflows had been steps of their own
+  # and this step had then run at 2**13.
+  assert jaxmp.get_loss_scale(state) == jaxmp.get_loss_scale(direct_state)
+
+
+def test_without_recovery_that_batch_is_skipped():
+  tx = jaxmp.loss_scaling(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**15))
+  state = tx.init(W)
+  w, state, _, _ = make_step(tx, None)(W, state, OVERFLOWS)
+  chex.assert_trees_all_equal(w, W)
+  metrics = jaxmp.loss_scaling_metrics(state)
+  assert int(metrics["lost_steps"]) == int(metrics["skipped_steps"]) == 1
+  assert int(metrics["recovered_steps"]) == 0
+
+
+def test_a_nan_batch_is_lost_with_params_and_state_bit_identical():
+  tx = jaxmp.loss_scaling(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**15))
+  w0, state0 = make_step(tx, None)(W, tx.init(W), FINITE)[:2]
+  recover = jaxmp.Recover(max_retries=3, fallback=float32_loss)
+  w, state, _, recovery = make_step(tx, recover)(
+      w0, state0, FINITE.at[3].set(jnp.nan))
+  assert int(recovery.retries) == 3 and bool(recovery.fell_back)
+  assert not bool(recovery.finite)
+  chex.assert_trees_all_equal(w, w0)
+  chex.assert_trees_all_equal(state.inner_state, state0.inner_state)
+  metrics = jaxmp.loss_scaling_metrics(state)
+  assert int(metrics["lost_steps"]) == int(metrics["skipped_steps"]) == 1
+  assert int(metrics["recovered_steps"]) == int(metrics["fallback_steps"]) == 0
+  # One backoff per attempt in float16 (the first and three retries).
+  assert float(metrics["loss_scale"]) == 2.0**15 / 2**4
+
+
+def test_a_finite_step_with_recovery_is_bit_identical_without_retrace_or_transfer():
+  tx = jaxmp.loss_scaling(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**10))
+  x = FINITE
+  plain = make_step(tx, None)
+  recover = jaxmp.Recover(max_retries=4, fallback=float32_loss)
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(w, opt_state, x):
+    loss, grads, recovery = jaxmp.scaled_value_and_grad(
+        overflowing_loss, jaxmp.get_loss_scale(opt_state), recover=recover)(w, x)
+    updates, opt_state = tx.update(grads, opt_state, w, recovery=recovery)
+    return optax.apply_updates(w, updates), opt_state, loss, recovery
+
+  w, state = W, tx.init(W)
+  w_plain, state_plain = W, tx.init(W)
+  w, state, x = jax.device_put((w, state, x))
+  for _ in range(2):  # the second call neither retraces nor transfers
+    with jax.transfer_guard("disallow"):
+      w, state, loss, recovery = step(w, state, x)
+    w_plain, state_plain, loss_plain, _ = plain(w_plain, state_plain, x)
+    chex.assert_trees_all_equal(w, w_plain)
+    chex.assert_trees_all_equal(loss, loss_plain)
+    chex.assert_trees_all_equal(state.inner_state, state_plain.inner_state)
+    assert jaxmp.get_loss_scale(state) == jaxmp.get_loss_scale(state_plain)
+  assert int(recovery.retries) == 0 and not bool(recovery.fell_back)
+  assert int(jaxmp.loss_scaling_metrics(state)["recovered_steps"]) == 0
+
+
+def test_the_fallback_recovers_a_batch_that_overflows_at_every_scale():
+  # fp16 overflows in the forward pass (x * 2**16 > 65504): no scale helps;
+  # the float32 fallback computes it.
+  big = jnp.full(8, 2.0**16)
+  loss16 = lambda w, x: jnp.sum(w.astype(F16) * x.astype(F16)).astype(jnp.float32)
+  loss32 = lambda w, x: jnp.sum(w * x)
+  scale = jaxmp.DynamicLossScale(2.0**3, min_loss_scale=1.0)
+  tx = jaxmp.loss_scaling(optax.sgd(2.0**-20), scale)
+  step = make_step(tx, jaxmp.Recover(max_retries=6, fallback=loss32), fun=loss16)
+  w, state, loss, recovery = step(W, tx.init(W), big)
+  assert bool(recovery.fell_back) and bool(recovery.finite)
+  assert int(recovery.retries) == 6
+  metrics = jaxmp.loss_scaling_metrics(state)
+  assert int(metrics["fallback_steps"]) == int(metrics["recovered_steps"]) == 1
+  assert int(metrics["lost_steps"]) == 0
+  # The float32 update, unscaled by 1: w - 2**-20 * 2**16.
+  np.testing.assert_array_equal(w, W - 2.0**-4)
+  assert float(loss) == float(jnp.sum(W * big))
+  # The scale reached the floor (2**3 -> 1 in three backoffs) and stays there.
+  assert float(metrics["loss_scale"]) == 1.0
+
+
+def test_static_scales_go_straight_to_the_fallback():
+  tx = jaxmp.loss_scaling(optax.sgd(2.0**-20), jaxmp.StaticLossScale(2.0**15))
+  step = make_step(tx, jaxmp.Recover(max_retries=4, fallback=float32_loss))
+  _, state, _, recovery = step(W, tx.init(W), OVERFLOWS)
+  assert int(recovery.retries) == 0 and bool(recovery.fell_back)
+  assert int(jaxmp.loss_scaling_metrics(state)["fallback_steps"]) == 1
+
+
+def test_recovery_with_has_aux_returns_the_aux_of_the_recovered_attempt():
+  fun = lambda w, x: (overflowing_loss(w, x), {"scale_free": jnp.sum(w)})
+  loss, aux, = None, None
+  (loss, aux), grads, recovery = jaxmp.scaled_value_and_grad(
+      fun, jaxmp.DynamicLossScale(2.0**15), has_aux=True,
+      recover=jaxmp.Recover())(W, OVERFLOWS)
+  assert int(recovery.retries) == 2
+  assert float(aux["scale_free"]) == float(jnp.sum(W))
+  assert bool(jaxmp.all_finite(grads))
+
+
+# -- multi_steps ---------------------------------------------------------------
+
+
+def test_multi_steps_adopts_the_recovered_scale_for_the_whole_accumulation():
+  k = 2
+  tx = jaxmp.multi_steps(optax.sgd(1e-2), jaxmp.DynamicLossScale(2.0**15), k)
+  recover = jaxmp.Recover()
+  state = tx.init(W)
+  # Micro-batch 1 is finite at 2**15 (x small); micro-batch 2 overflows there.
+  xs = (FINITE, OVERFLOWS)
+  w = W
+  for x in xs:
+    _, grads, recovery = jaxmp.scaled_value_and_grad(
+        overflowing_loss, jaxmp.get_loss_scale(state), recover=recover)(w, x)
+    updates, state = tx.update(grads, state, w, recovery=recovery)
+    w = optax.apply_updates(w, updates)
+  assert int(recovery.retries) == 2
+  metrics = jaxmp.loss_scaling_metrics(state)
+  assert int(metrics["recovered_steps"]) == 1 and int(metrics["lost_steps"]) == 0
+
+  # The same accumulation run at 2**13 from the start: the first micro-batch's
+  # gradients were rescaled by 2**13 / 2**15, a power of two, so exactly.
+  direct = jaxmp.multi_steps(optax.sgd(1e-2), jaxmp.DynamicLossScale(2.0**13), k)
+  direct_state = direct.init(W)
+  direct_w = W
+  for x in xs:
+    _, grads = jaxmp.scaled_value_and_grad(
+        overflowing_loss, jaxmp.get_loss_scale(direct_state))(direct_w, x)
+    updates, direct_state = direct.update(grads, direct_state, direct_w)
+    direct_w = optax.apply_updates(direct_w, updates)
+  chex.assert_trees_all_equal(w, direct_w)
+  assert float(metrics["loss_scale"]) == 2.0**13
+
+
+# -- TrainState and NNX ----------------------------------------------------------
+
+
+def test_train_state_policy_fallback_runs_the_loss_in_float32():
+  import flax.linen as nn
+
+  model = nn.Dense(1, use_bias=False)
+  x = jnp.full((2, 4), 300.0)  # fp16 activations 300 * 300: over 65504
+  params = {"kernel": jnp.full((4, 1), 300.0)}
+  state = jaxmp.flax.TrainState.create(
+      apply_fn=model.apply, params=params, tx=optax.sgd(0.0),
+      policy="mixed_float16", loss_scale=jaxmp.DynamicLossScale(2.0**4))
+
+  def loss_fn(params, x):
+    return jnp.mean(state.apply_fn({"params": params}, x) ** 2)
+
+  @jax.jit
+  def step(state, x):
+    loss, grads, recovery = state.value_and_grad(
+        loss_fn, recover=jaxmp.Recover(max_retries=2, fallback="float32"))(
+            state.params, x)
+    return state.apply_gradients(grads=grads, recovery=recovery), loss, recovery
+
+  state, loss, recovery = step(state, x)
+  assert bool(recovery.fell_back) and bool(recovery.finite)
+  assert float(loss) == float(jnp.mean(model.apply({"params": params}, x) ** 2))
+  assert int(state.metrics["fallback_steps"]) == 1
+  assert int(state.metrics["lost_steps"]) == 0
+
+
+def test_nnx_recovery_passes_through_the_optimizer_and_keeps_batch_stats_of_the_recovered_attempt():
+  from flax import nnx
+
+  model = nnx.Sequential(
+      nnx.Linear(8, 8, dtype=F16, rngs=nnx.Rngs(0)),
+      nnx.BatchNorm(8, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+  optimizer = nnx.Optimizer(
+      model, jaxmp.loss_scaling(optax.sgd(1e-3), jaxmp.DynamicLossScale(2.0**10)),
+      wrt=nnx.Param)
+  x = jnp.full((4, 8), 4.0).at[0].set(8.0)  # fp16 kernel grads ~490 * scale
+
+  @nnx.jit
+  def step(model, optimizer, x):
+    loss, grads, recovery = jaxmp.flax.nnx_scaled_value_and_grad(
+        lambda m: jnp.sum(m(x) ** 2).astype(jnp.float32),
+        jaxmp.get_loss_scale(optimizer.opt_state), recover=jaxmp.Recover(8))(model)
+    optimizer.update(model, grads, recovery=recovery)
+    return recovery, jaxmp.loss_scaling_metrics(optimizer.opt_state)
+
+  recovery, metrics = step(model, optimizer, x)
+  assert int(recovery.retries) == 3 and bool(recovery.finite)  # 2**10 -> 2**7
+  assert int(metrics["recovered_steps"]) == 1 and int(metrics["lost_steps"]) == 0
+  assert bool(jnp.all(jnp.isfinite(model.layers[1].mean[...])))
+  assert not bool(jnp.all(model.layers[1].mean[...] == 0))  # written back
+
+
+# -- Devices -------------------------------------------------------------------
+
+
+def test_eight_devices_under_sharded_jit_agree_on_each_retry():
+  assert jax.device_count() == 8
+  mesh = jax.make_mesh((8,), ("batch",))
+  sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+  # Only the rows of device 5 overflow, and only above 2**13.
+  x = jnp.broadcast_to(FINITE, (8, 8)).at[5].set(OVERFLOWS)
+  w = jnp.broadcast_to(W, (8, 8))
+  loss = overflowing_loss
+
+  @jax.jit
+  def grads_of(w, x):
+    _, grads, recovery = jaxmp.scaled_value_and_grad(
+        loss, jaxmp.DynamicLossScale(2.0**15), recover=jaxmp.Recover())(w, x)
+    return grads, recovery
+
+  grads, recovery = grads_of(jax.device_put(w, sharded), jax.device_put(x, sharded))
+  assert int(recovery.retries) == 2 and bool(recovery.finite)
+  # Every device recomputed at 2**13: its gradients are 6 cos(w x) 2**13.
+  expected = jax.grad(lambda w, x: loss(w, x) * 2.0**13)(w, x)
+  chex.assert_trees_all_equal(np.asarray(grads), np.asarray(expected))
+
+
+def test_axis_name_reduces_the_flag_over_shard_map():
+  mesh = jax.make_mesh((8,), ("batch",))
+  spec = jax.sharding.PartitionSpec("batch")
+  sharded = jax.sharding.NamedSharding(mesh, spec)
+  x = jax.device_put(jnp.broadcast_to(FINITE, (8, 8)).at[5].set(OVERFLOWS), sharded)
+  w = jax.device_put(jnp.broadcast_to(W, (8, 8)), sharded)
+  recover = jaxmp.Recover(axis_name="batch")
+
+  def per_device(w, x):
+    _, _, recovery = jaxmp.scaled_value_and_grad(
+        overflowing_loss, jaxmp.DynamicLossScale(2.0**15), recover=recover)(w, x)
+    return recovery.retries[None]
+
+  retries = jax.jit(jax.shard_map(
+      per_device, mesh=mesh, in_specs=(spec, spec), out_specs=spec))(w, x)
+  # Device 5 needed two retries; the others, reduced with it, ran them too.
+  np.testing.assert_array_equal(retries, np.full(8, 2, np.int32))
+
+
+# -- The benchmark's compiler figures, reduced ------------------------------------
+
+
+def _benchmark():
+  import importlib
+  import pathlib
+  import sys
+
+  benchmarks = str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks")
+  if benchmarks not in sys.path:
+    sys.path.insert(0, benchmarks)
+  return importlib.import_module("recovery")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Measured (docs/benchmarks.md): the lax.while_loop body holds a second "
+    "forward and backward pass, whose buffers XLA reserves even when it does not "
+    "run: temp memory is well above plain scaled_value_and_grad on a finite step. "
+    "Strict: this test fails the day the +0.5% target is met, to be flipped.")
+def test_a_finite_step_with_recovery_costs_within_half_a_percent_of_plain():
+  recovery = _benchmark()
+  args = recovery.build_parser().parse_args(
+      ["--d-model", "32", "--layers", "1", "--seq-len", "16", "--batch-size", "2"])
+  loss16, loss32, params = recovery.loss_fns(args)
+  steps, tx = recovery.make_steps(loss16, loss32)
+  batch = jnp.zeros((2, 17), jnp.int32)
+  state = (params, tx.init(params))
+  figures = recovery.compile_figures(
+      {k: steps[k] for k in ("plain", "recover")}, state, batch, dumps=False)
+  for key in ("bytes_accessed", "temp_bytes"):
+    assert figures["recover"][key] <= 1.005 * figures["plain"][key], key
