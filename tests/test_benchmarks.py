@@ -11,6 +11,9 @@ import sys
 
 import pytest
 
+# One worker runs the module, so its module-scoped benchmark run happens once.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("benchmarks")]
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import policy_speed

@@ -146,8 +146,7 @@ class GradStatsTest(chex.TestCase):
                         "zero_fraction": 0.0})
 
 
-def test_grad_stats_strict_promotion(strict_promotion):
-  del strict_promotion
+def test_grad_stats_strict_promotion():
   stats = jax.jit(jaxmp.grad_stats)(_tree())
   assert float(stats["global_norm"]) == 13.0
 

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 

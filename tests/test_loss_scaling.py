@@ -344,8 +344,7 @@ class ScaledValueAndGradTest(chex.TestCase):
       fn(jnp.ones(2))
 
 
-def test_core_step_under_strict_dtype_promotion(strict_promotion):
-  del strict_promotion
+def test_core_step_under_strict_dtype_promotion():
   policy = jaxmp.get_policy("mixed_float16")
   params = init_mlp(jax.random.key(5))
   # (optax's adam itself is not strict-promotion clean, so sgd here.)

@@ -8,6 +8,9 @@ import sys
 
 import pytest
 
+# One worker runs the module, so its module-scoped training run happens once.
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("train_lm")]
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_lm.py"
 sys.path.insert(0, str(ROOT / "examples"))
