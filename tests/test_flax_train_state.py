@@ -11,18 +11,11 @@ from absl.testing import parameterized
 
 import jaxmp
 import jaxmp.flax
+from models import LinenMLP as MLP
+from models import classification_batch as batch
 
 F16 = np.dtype(jnp.float16)
 F32 = np.dtype(jnp.float32)
-
-
-class MLP(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.relu(nn.Dense(16)(x))
-    x = nn.LayerNorm()(x)
-    return nn.Dense(3)(x)
 
 
 def make_state(policy="mixed_float16", loss_scale=None, tx=None, **kwargs):
@@ -34,12 +27,6 @@ def make_state(policy="mixed_float16", loss_scale=None, tx=None, **kwargs):
   return jaxmp.flax.TrainState.create(
       apply_fn=model.apply, params=params, tx=tx or optax.adam(1e-2),
       policy=policy, loss_scale=loss_scale, **kwargs)
-
-
-def batch(seed=0, n=8):
-  x = jax.random.normal(jax.random.key(seed), (n, 4))
-  y = jax.random.randint(jax.random.key(seed + 1), (n,), 0, 3)
-  return x, y
 
 
 def loss_fn(params, x, y, apply_fn):
