@@ -18,6 +18,12 @@ jaxmp, so both run alike:
     tests, jmp's README loop) opts out with the marker
     ``@pytest.mark.standard_promotion(reason=...)``.
 
+Compiled programs are kept between runs in ``.pytest_cache/jax-compilation-cache``
+(JAX's persistent compilation cache; ``JAX_COMPILATION_CACHE_DIR`` chooses
+another folder): the first run compiles everything, later runs of unchanged
+code skip XLA's compilation (tracing and lowering still run). Delete the folder,
+or run ``pytest --cache-clear``, to start afresh.
+
 The tiers:
 
 * the unit tier, ``make test-fast`` (``pytest -m "not integration"``): the
@@ -37,11 +43,19 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 
 import functools  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import importlib  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import pathlib  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+  jax.config.update(
+      "jax_compilation_cache_dir",
+      str(pathlib.Path(__file__).resolve().parent / ".pytest_cache" / "jax-compilation-cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # the tests' programs are small
+jax.config.update("jax_compilation_cache_max_size", 2**29)  # least recently used go first
 
 # Functions of the dependencies that strict promotion refuses, as
 # (module, attribute): reason. They run under standard promotion.
