@@ -177,7 +177,7 @@ def pytest_addoption(parser):
 
 def pytest_collection_modifyitems(config, items):
   # The integration tests run longest: starting them first keeps both xdist
-  # workers busy to the end, instead of leaving one long test for last.
+  # workers busy to the end, instead of leaving one long module for last.
   items.sort(key=lambda item: item.get_closest_marker("integration") is None)
   if config.getoption("--run-slow"):
     return

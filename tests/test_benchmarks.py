@@ -11,8 +11,7 @@ import sys
 
 import pytest
 
-# One worker runs the module, so its module-scoped benchmark run happens once.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("benchmarks")]
+pytestmark = pytest.mark.integration
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-# One worker runs the module, so its module-scoped training run happens once.
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("train_lm")]
+pytestmark = pytest.mark.integration
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_lm.py"
