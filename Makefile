@@ -37,8 +37,9 @@ bench: $(VENV)/.installed-examples
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
 
-# The unit tier and the doctests, about a minute on two cores: run it before
-# every commit.
+# The unit tier and the doctests, about a minute on two cores once JAX's
+# compilation cache (.pytest_cache/jax-compilation-cache) is warm: run it
+# before every commit.
 test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -n 2 -m "not integration" $(PYTEST_ARGS)
 
