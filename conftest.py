@@ -3,6 +3,8 @@
 pytest loads this file before it imports any test module or any module of
 jaxmp, so both run alike:
 
+* the processes they start (examples, the command line, the docs build)
+  import this checkout's jaxmp (``PYTHONPATH``);
 * eight simulated CPU devices (``XLA_FLAGS``, which must be set before JAX
   starts): single-device code runs on the first, the distributed tests use all;
 * strict dtype promotion (``jax_numpy_dtype_promotion="strict"``): an
@@ -11,7 +13,7 @@ jaxmp, so both run alike:
   examples and the guides' code all run strict. Two kinds of code run under
   standard promotion instead:
 
-  - the few functions of optax and Flax that are not clean under strict
+  - the few functions of optax, Flax and jmp that are not clean under strict
     promotion (``NOT_STRICT_CLEAN`` below, each with the reason), so that a
     test of jaxmp is not refused for what its dependencies do;
   - a test that exercises user code relying on standard promotion (jmp's own
@@ -36,14 +38,19 @@ The tiers:
 """
 
 import os
+import pathlib
 
+ROOT = pathlib.Path(__file__).resolve().parent
+# The processes the tests start (examples, the command line, the docs build)
+# import the jaxmp of this checkout, as the tests themselves do.
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
 
 import functools  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import importlib  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
-import pathlib  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
@@ -53,7 +60,7 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
   jax.config.update(
       "jax_compilation_cache_dir",
-      str(pathlib.Path(__file__).resolve().parent / ".pytest_cache" / "jax-compilation-cache"))
+      str(ROOT / ".pytest_cache" / "jax-compilation-cache"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # the tests' programs are small
 jax.config.update("jax_compilation_cache_max_size", 2**29)  # least recently used go first
 
