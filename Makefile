@@ -1,11 +1,12 @@
-# The two commands of the README: `make demo` and `make test`.
-# Each creates .venv on first use and installs what it needs.
+# The commands of the README: `make demo`, `make test` and `make test-fast`.
+# Each creates .venv on first use and installs what it needs; VENV=path uses
+# another virtual environment.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow docs docs-serve bench clean
+.PHONY: demo test test-fast test-slow docs docs-serve bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +31,17 @@ bench: $(VENV)/.installed-examples
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/policy_speed.py
 
+# Everything: the unit tier, the integration tier (examples, benchmarks,
+# several processes, the documentation site, long fault-injection runs) and the
+# doctests of jaxmp/, on two cores.
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
+
+# The unit tier and the doctests, about a minute on two cores once JAX's
+# compilation cache (.pytest_cache/jax-compilation-cache) is warm: run it
+# before every commit.
+test-fast: $(VENV)/.installed-test
+	$(PY) -m pytest -n 2 -m "not integration" $(PYTEST_ARGS)
 
 test-slow: $(VENV)/.installed-test
 	$(PY) -m pytest -n 2 -m slow --run-slow $(PYTEST_ARGS)

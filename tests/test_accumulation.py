@@ -7,7 +7,7 @@ import numpy as np
 import optax
 
 import jaxmp
-from test_loss_scaling import init_mlp, make_batch, mse
+from models import init_mlp, make_batch, mse
 
 K = 4
 

@@ -2,9 +2,14 @@
 
 Each case asserts the exception type, that the message names the problem
 (what was wrong, usually with the offending value) and the fix (what to pass
-instead), and that the exception is raised by jaxmp itself: not a bare
-``KeyError`` or ``AssertionError``, and not from deep inside JAX, optax, orbax
-or NumPy.
+instead), and that the exception is raised by jaxmp itself, not from deep
+inside JAX, optax, orbax or NumPy. A separate test checks that no case lets a
+bare ``KeyError``, ``AttributeError``, ``IndexError``, ``OverflowError`` or
+``AssertionError`` escape.
+
+A case that fails today names its defect, which marks it ``xfail(strict=True)``:
+``defect`` for the explanation test, ``escapes`` for the bare-error test. Delete
+the field when the defect is fixed (the strict mark fails the test until then).
 """
 
 import dataclasses
@@ -43,6 +48,12 @@ class Case:
   error: type
   problem: str  # a regular expression the message must match
   fix: str  # and another one
+  defect: str = ""  # why the error is not yet explained (marks it xfail)
+  escapes: str = ""  # why a bare Python error still escapes (marks it xfail)
+
+
+# Built-in errors that say nothing about what the user did wrong.
+BARE_ERRORS = (KeyError, AttributeError, IndexError, OverflowError, AssertionError)
 
 
 def dynamic(*args, **kwargs):
@@ -580,7 +591,7 @@ CASES = [
          r"all zero", r"Compute the loss from floating values"),
     Case("scaled_value_and_grad: a complex loss",
          lambda: jaxmp.scaled_value_and_grad(
-             lambda w: jnp.sum(w * 1j), jaxmp.StaticLossScale(2.0))(jnp.ones(2)),
+             lambda w: jnp.sum(w.astype(jnp.complex64) * jnp.complex64(1j)), jaxmp.StaticLossScale(2.0))(jnp.ones(2)),
          TypeError, r"got dtype complex64: only its real part would be differentiated",
          r"Return a real loss, e\.g\. jnp\.abs\(z\) \*\* 2 or z\.real"),
     Case("scaled_value_and_grad: a function leaf (an Equinox module)",
@@ -984,6 +995,18 @@ def test_the_catalogue_is_large_and_distinct():
   names = [case.name for case in CASES]
   assert len(names) == len(set(names))
   assert len(CASES) >= 30
+  expects_bare = [case.name for case in CASES if issubclass(case.error, BARE_ERRORS)]
+  assert not expects_bare, f"cases that expect a bare Python error: {expects_bare}"
+
+
+def _cases(reason_field):
+  """The catalogue as pytest parameters, xfail where ``reason_field`` is set."""
+  params = []
+  for case in CASES:
+    reason = getattr(case, reason_field)
+    marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+    params.append(pytest.param(case, id=case.name, marks=marks))
+  return params
 
 
 @pytest.fixture(autouse=True)
@@ -1001,12 +1024,23 @@ def raised_by_jaxmp(error):
   return pathlib.Path(frame.filename).resolve().is_relative_to(JAXMP_DIR)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+@pytest.mark.parametrize("case", _cases("escapes"))
+def test_no_bare_python_error_escapes(case):
+  try:
+    case.call()
+  except BARE_ERRORS as error:
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    pytest.fail(f"a bare {type(error).__name__} escaped from {frame.filename}:"
+                f"{frame.lineno}: {error}", pytrace=False)
+  except Exception:  # pylint: disable=broad-except
+    pass  # what it should be is test_bad_input_is_explained's concern
+
+
+@pytest.mark.parametrize("case", _cases("defect"))
 def test_bad_input_is_explained(case):
   with pytest.raises(Exception) as info:
     case.call()
   error = info.value
-  assert not isinstance(error, (KeyError, AssertionError, AttributeError, IndexError))
   assert isinstance(error, case.error), f"{type(error).__name__}: {error}"
   message = str(error)
   assert re.search(case.problem, message, re.DOTALL), message

@@ -147,8 +147,7 @@ def test_grad_stats_of_empty_and_non_floating_trees():
         "zero_fraction": 0.0}
 
 
-def test_grad_stats_strict_promotion(strict_promotion):
-  del strict_promotion
+def test_grad_stats_strict_promotion():
   stats = jax.jit(jaxmp.grad_stats)(_tree())
   assert float(stats["global_norm"]) == 13.0
 

@@ -1,4 +1,9 @@
-"""Tests of the documentation: the built site, the guides' code, the docstrings.
+"""Tests of the documentation: the built site and the guides' code.
+
+The integration tier (the site build takes a minute): `make test` runs these,
+`make test-fast` does not. The docstring examples run as doctests
+(``--doctest-modules``, see pyproject.toml), and tests/test_docstrings.py checks
+that every public name has one.
 
 * The site builds with ``mkdocs build --strict`` (once per test session, shared
   by the xdist workers), every guide page is built and listed in the
@@ -6,23 +11,20 @@
 * Every fenced ``python`` block of every page in ``docs/`` runs: each page's
   blocks in order, in one fresh namespace. Blocks fenced with another language
   (``text``, ``bash``, ``pycon``, ``py`` ...) are shown but not run; fence code
-  that cannot run here (a GPU, several processes) with ``py``.
-* The docstring examples of every module of jaxmp pass, as with
-  ``pytest --doctest-modules``, and every public name carries one.
+  that cannot run here (a GPU, several processes) with ``py``. They run
+  under strict dtype promotion (conftest.py), except the pages of
+  ``STANDARD_PROMOTION_PAGES``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import doctest
 import fcntl
 import html.parser
-import importlib
 import importlib.util
 import inspect
 import os
 import pathlib
-import pkgutil
 import posixpath
 import re
 import subprocess
@@ -31,7 +33,7 @@ import types
 
 import pytest
 
-import jaxmp
+pytestmark = pytest.mark.integration
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -62,13 +64,10 @@ GUIDE_PAGES = (
 # Pages still being written: checked like the others once they exist. Move
 # them to GUIDE_PAGES (and into the nav of mkdocs.yml) when they land.
 PENDING_PAGES = ("demo.md", "benchmarks.md")
-# Public names that need no example of their own: states and reports that
-# jaxmp returns rather than the user builds, a base class and an exception.
-NO_EXAMPLE_NEEDED = {
-    "jaxmp.LossScale",
-    "jaxmp.LossScalingState",
-    "jaxmp.HardwareReport",
-    "jaxmp.LossScaleAtMinimumError",
+# Pages whose code is user code that relies on standard dtype promotion.
+STANDARD_PROMOTION_PAGES = {
+    "migration-jmp.md": "jmp's README loop, unchanged, subtracts a float32 target "
+                        "from a float16 prediction",
 }
 NOT_SOURCE = ("hooks", "scripts")  # folders of docs/ that hold no pages
 
@@ -340,9 +339,24 @@ def test_python_blocks_are_found():
   assert python_blocks(text) == [(2, "x = 1"), (9, "y = x")]
 
 
-@pytest.mark.parametrize(
-    "page", [p for p in _pages() if python_blocks(p.read_text(encoding="utf-8"))],
-    ids=lambda p: p.relative_to(DOCS).as_posix())
+def _pages_with_code() -> list:
+  params = []
+  for page in _pages():
+    if not python_blocks(page.read_text(encoding="utf-8")):
+      continue
+    name = page.relative_to(DOCS).as_posix()
+    marks = []
+    if name in STANDARD_PROMOTION_PAGES:
+      marks = [pytest.mark.standard_promotion(reason=STANDARD_PROMOTION_PAGES[name])]
+    params.append(pytest.param(page, id=name, marks=marks))
+  return params
+
+
+def test_the_standard_promotion_pages_exist():
+  assert all((DOCS / name).exists() for name in STANDARD_PROMOTION_PAGES)
+
+
+@pytest.mark.parametrize("page", _pages_with_code())
 def test_the_python_blocks_of_each_page_run(page, tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   monkeypatch.setenv("MPLBACKEND", "Agg")
@@ -357,44 +371,6 @@ def test_the_python_blocks_of_each_page_run(page, tmp_path, monkeypatch):
     # not inherit this file's `from __future__` imports.
     code = "\n" * (line) + code
     exec(compile(code, source, "exec", dont_inherit=True), namespace)  # pylint: disable=exec-used
-
-
-# ---------------------------------------------------------------------------
-# Docstrings.
-
-
-def _modules() -> list[str]:
-  names = ["jaxmp"]
-  for info in pkgutil.walk_packages(jaxmp.__path__, prefix="jaxmp."):
-    if info.name.rpartition(".")[2] != "__main__":
-      names.append(info.name)
-  return sorted(names)
-
-
-@pytest.mark.parametrize("module_name", _modules())
-def test_docstring_examples_pass(module_name):
-  module = importlib.import_module(module_name)
-  finder = doctest.DocTestFinder(exclude_empty=True)
-  runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-  output = []
-  for test in finder.find(module, module_name):
-    if test.examples:
-      runner.run(test, out=output.append)
-  results = runner.summarize(verbose=False)
-  assert results.failed == 0, "".join(output)
-
-
-def test_every_public_name_has_an_example():
-  missing = []
-  for name in api_coverage.public_names():
-    if name in NO_EXAMPLE_NEEDED:
-      continue
-    doc = inspect.getdoc(api_coverage.resolve(name)) or ""
-    if ">>>" not in doc:
-      missing.append(name)
-  assert not missing, (
-      "These public names have no runnable example (a '>>>' line) in their "
-      f"docstring: {', '.join(missing)}")
 
 
 def test_the_figure_script_runs(tmp_path):

@@ -17,6 +17,8 @@ from flax import nnx
 
 import jaxmp
 
+pytestmark = pytest.mark.integration
+
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 POLICIES = [("mixed_float16", "float16"), ("mixed_bfloat16", "bfloat16")]
 

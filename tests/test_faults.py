@@ -269,6 +269,7 @@ CONFIG_NAMES = st.sampled_from(sorted(CONFIGS))
 SEEDS = st.integers(0, 2**16)
 
 
+@pytest.mark.integration
 @PATTERNS
 @given(config=CONFIG_NAMES, sites=SITES, seed=SEEDS,
        rate=st.sampled_from([0.001, 0.01, 0.1, 0.5]))
@@ -279,6 +280,7 @@ def test_random_faults(config, sites, seed, rate):
   check_run(CONFIGS[config], plan, init_params(seed % 5))
 
 
+@pytest.mark.integration
 @PATTERNS
 @given(config=CONFIG_NAMES, sites=SITES, seed=SEEDS,
        n_bursts=st.integers(1, 4), length=st.sampled_from([2, 10, 40]))
@@ -292,6 +294,7 @@ def test_burst_faults(config, sites, seed, n_bursts, length):
   assert scales.min() < scales.max()
 
 
+@pytest.mark.integration
 @PATTERNS
 @given(config=CONFIG_NAMES, sites=SITES, seed=SEEDS,
        every=st.sampled_from([2, 7, 100, 1000]))
@@ -327,6 +330,7 @@ def dynamic_loss_scales(draw):
   )
 
 
+@pytest.mark.integration
 @settings(derandomize=True, max_examples=5, deadline=None)
 @given(loss_scale=dynamic_loss_scales(), sites=SITES, seed=SEEDS,
        rate=st.sampled_from([0.001, 0.05, 0.3]))
@@ -340,6 +344,7 @@ def test_loss_scale_configurations(loss_scale, sites, seed, rate):
 # The edges of the scale's range.
 
 
+@pytest.mark.integration
 def test_scale_tops_out_below_inf_and_unscales_exactly_there():
   """With the default maximum the scale climbs to 2**127 and never becomes inf.
 
@@ -420,6 +425,7 @@ def _reference_accumulation(params, x, y, valid):
   return jax.lax.scan(body, (params, reference.init(params)), (x, y, valid))[0]
 
 
+@pytest.mark.integration
 def test_accumulation_under_random_faults():
   """A bad micro-batch skips its accumulated step; the next starts clean."""
   n = ACCUMULATED_STEPS * K
@@ -526,6 +532,7 @@ print("finished")
 '''
 
 
+@pytest.mark.integration
 def test_training_loop_stops_with_the_remedies_not_a_jax_traceback(tmp_path):
   script = tmp_path / "train.py"
   script.write_text(TRAINING_SCRIPT)

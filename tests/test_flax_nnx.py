@@ -10,21 +10,12 @@ from flax import nnx
 
 import jaxmp
 import jaxmp.flax
+from models import NnxMLP as MLP
+from models import classification_batch as batch
 
 F16 = np.dtype(jnp.float16)
 F32 = np.dtype(jnp.float32)
 POLICY = jaxmp.get_policy("mixed_float16")
-
-
-class MLP(nnx.Module):
-
-  def __init__(self, rngs):
-    self.dense1 = nnx.Linear(4, 16, rngs=rngs)
-    self.norm = nnx.LayerNorm(16, rngs=rngs)
-    self.dense2 = nnx.Linear(16, 3, rngs=rngs)
-
-  def __call__(self, x):
-    return self.dense2(self.norm(nnx.relu(self.dense1(x))))
 
 
 def make(loss_scale=None):
@@ -52,12 +43,6 @@ def train_step(model, optimizer, x, y):
 
 def params_of(model):
   return jax.tree_util.tree_map(jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-
-
-def batch(seed=0, n=8):
-  x = jax.random.normal(jax.random.key(seed), (n, 4))
-  y = jax.random.randint(jax.random.key(seed + 1), (n,), 0, 3)
-  return x, y
 
 
 def test_nnx_optimizer_overflow_skips_then_updates_every_param():

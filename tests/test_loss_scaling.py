@@ -242,8 +242,7 @@ def test_real_float16_overflow_backs_off_until_steps_succeed():
     assert leaf.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(leaf)))
 
 
-def test_core_step_under_strict_dtype_promotion(strict_promotion):
-  del strict_promotion
+def test_core_step_under_strict_dtype_promotion():
   policy = jaxmp.get_policy("mixed_float16")
   params = init_mlp(jax.random.key(5))
   # (optax's adam itself is not strict-promotion clean, so sgd here.)

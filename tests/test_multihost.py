@@ -19,6 +19,8 @@ import jax
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.integration
+
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "pjit_multihost.py"
 STEPS = 6
 OVERFLOW_STEP = 2

@@ -240,6 +240,8 @@ def mlp_variables(x):
   return MLP().init(jax.random.key(0), x)
 
 
+@pytest.mark.standard_promotion(
+    reason="the test model mixes float16 inputs with float32 constants; not yet strict-clean")
 def test_wrap_apply_casts_params_inputs_and_output():
   policy = jaxmp.get_policy("mixed_float16")
   x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
@@ -332,6 +334,8 @@ def test_closures_and_eval_through_apply_fn_run_under_every_policy_kind(kind):
   assert {p.dtype for p in jax.tree_util.tree_leaves(new_state.params)} == {np.dtype("float32")}
 
 
+@pytest.mark.standard_promotion(
+    reason="the test model mixes float16 inputs with float32 constants; not yet strict-clean")
 @pytest.mark.parametrize("kind", ["policy", "path_policy", "module_policy"])
 def test_wrapped_apply_functions_of_equal_policies_are_equal(kind):
   make = {

@@ -3,6 +3,10 @@
 import importlib.util
 import pathlib
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 EXAMPLE = pathlib.Path(__file__).parent.parent / "examples" / "quickstart.py"
 
 

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "train_lm.py"
 sys.path.insert(0, str(ROOT / "examples"))

@@ -1,0 +1,103 @@
+"""The small models and data that several test files train.
+
+* A functional MLP: ``init_mlp``, ``mlp``, ``mse`` and ``make_batch`` (a
+  regression batch), with ``poison`` to put a non-finite value in a tree.
+* ``LinenMLP`` and ``NnxMLP``: the same classifier, Dense(16), relu, LayerNorm,
+  Dense(3), in Flax Linen and Flax NNX (the LayerNorm is what per-module
+  policies keep in float32); ``classification_batch`` feeds them.
+
+Each file's own models stay in that file when only it uses them.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxmp
+
+FLOAT32 = jaxmp.get_policy("float32")
+
+
+# ---------------------------------------------------------------------------
+# The functional MLP.
+
+
+def init_mlp(key, sizes=(4, 16, 3)):
+  """Float32 params of a tanh MLP, ``{"layer<i>": {"w", "b"}}``."""
+  keys = jax.random.split(key, len(sizes) - 1)
+  return {
+      f"layer{i}": {
+          "w": jax.random.normal(k, (a, b)) / np.sqrt(a),
+          "b": jnp.zeros(b),
+      }
+      for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:]))
+  }
+
+
+def mlp(params, x):
+  n = len(params)
+  for i in range(n):
+    layer = params[f"layer{i}"]
+    x = x @ layer["w"] + layer["b"]
+    if i < n - 1:
+      x = jnp.tanh(x)
+  return x
+
+
+def mse(params, batch, policy=FLOAT32):
+  """The mean squared error of ``mlp`` on ``batch``, computed under ``policy``."""
+  pred = mlp(policy.cast_to_compute(params), policy.cast_to_compute(batch["x"]))
+  pred = policy.cast_to_output(pred)
+  return jnp.mean((pred - batch["y"]) ** 2)
+
+
+def make_batch(seed, n=8):
+  """A float32 regression batch ``{"x": (n, 4), "y": (n, 3)}``."""
+  rng = np.random.default_rng(seed)
+  return {
+      "x": jnp.asarray(rng.normal(size=(n, 4)), jnp.float32),
+      "y": jnp.asarray(rng.normal(size=(n, 3)), jnp.float32),
+  }
+
+
+def poison(tree, value, leaf_index=0, flat_index=0):
+  """``tree`` with ``value`` at one element of one leaf."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  leaf = leaves[leaf_index]
+  leaves[leaf_index] = leaf.reshape(-1).at[flat_index].set(value).reshape(leaf.shape)
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+# ---------------------------------------------------------------------------
+# The Flax classifier.
+
+
+class LinenMLP(nn.Module):
+  """Dense(16), relu, LayerNorm, Dense(3): 4 features in, 3 logits out."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(16)(x))
+    x = nn.LayerNorm()(x)
+    return nn.Dense(3)(x)
+
+
+class NnxMLP(nnx.Module):
+  """``LinenMLP`` in NNX."""
+
+  def __init__(self, rngs):
+    self.dense1 = nnx.Linear(4, 16, rngs=rngs)
+    self.norm = nnx.LayerNorm(16, rngs=rngs)
+    self.dense2 = nnx.Linear(16, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.dense2(self.norm(nnx.relu(self.dense1(x))))
+
+
+def classification_batch(seed=0, n=8):
+  """``(x, y)``: ``n`` float32 rows of 4 features and their labels in 0..2."""
+  x = jax.random.normal(jax.random.key(seed), (n, 4))
+  y = jax.random.randint(jax.random.key(seed + 1), (n,), 0, 3)
+  return x, y
