@@ -109,6 +109,17 @@ class OverflowReport:
         rather than modules.
     """
     policy = as_policy(policy)
+    if isinstance(policy, ModulePolicy):
+      base = policy
+      io = policy.io_policy
+    elif isinstance(policy, Policy):
+      base, io = None, policy
+    else:
+      raise TypeError(
+          "propose_policy: module promotion needs a jaxmp.Policy or a "
+          f"jaxmp.flax.ModulePolicy to start from; got {policy}. A PathPolicy "
+          "chooses dtypes per parameter, not per module."
+      )
     if not self.inputs_finite:
       raise ValueError(
           "propose_policy: the model's inputs already hold inf or nan (after "
@@ -123,17 +134,6 @@ class OverflowReport:
           "which promoting modules does not fix. Fall back to a wider policy "
           "(jaxmp.PrecisionFallback moves to the next rung), or compute the "
           "loss in float32."
-      )
-    if isinstance(policy, ModulePolicy):
-      base = policy
-      io = policy.io_policy
-    elif isinstance(policy, Policy):
-      base, io = None, policy
-    else:
-      raise TypeError(
-          "propose_policy: module promotion needs a jaxmp.Policy or a "
-          f"jaxmp.flax.ModulePolicy to start from; got {policy}. A PathPolicy "
-          "chooses dtypes per parameter, not per module."
       )
     promoted = Policy(io.param_dtype, dtype, dtype)
     if _ROOT in self.modules:
