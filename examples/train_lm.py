@@ -567,7 +567,10 @@ def train(run_name: str, config: Config, train_text, val_text,
     loss, scale = float(metrics["loss"]), float(metrics["loss_scale"])
     skipped = int(metrics["skipped_steps"])
     history["loss"].append(loss)
-    history["loss_scale"].append(scale_used)  # the scale this step ran with
+    # The scale this step ran with; none (nan: a gap in the plot) once the
+    # run switched to a policy without loss scaling.
+    history["loss_scale"].append(
+        scale_used if policy.needs_loss_scaling else float("nan"))
     scale_used = scale
     history["skipped"].append(not bool(metrics["last_finite"]))
     history["policy"].append(str(policy))
@@ -679,9 +682,15 @@ def _smooth(values, window: int):
 
 
 def mark_events(ax, results: Sequence[dict[str, Any]]) -> None:
-  """Vertical lines at the switches (solid) and crash conditions (dotted)."""
+  """Vertical lines at the switches (solid) and crash conditions (dotted).
+
+  A run that switched is marked at its switch only.
+  """
   for r in results:
-    for e in r.get("events", ()):
+    events = r.get("events", ())
+    if any(e["event"] == "switch" for e in events):
+      events = [e for e in events if e["event"] == "switch"]
+    for e in events:
       switch = e["event"] == "switch"
       ax.axvline(e["step"], color="black", linestyle="-" if switch else ":",
                  linewidth=1.0, alpha=0.7,

@@ -54,6 +54,14 @@ class PrecisionSwitch(NamedTuple):
     reason: why, e.g. ``"3 overflow(s) at the minimum loss scale 1"``.
     old_policy: the policy before, as ``str(policy)`` writes it.
     new_policy: the policy after.
+
+  Example:
+    >>> import jaxmp
+    >>> event = jaxmp.PrecisionSwitch(
+    ...     step=120, reason="1 overflow(s) at the minimum loss scale 1",
+    ...     old_policy="p=f32,c=f16,o=f32", new_policy="p=f32,c=f32,o=f32")
+    >>> event.step, event._asdict()["new_policy"]
+    (120, 'p=f32,c=f32,o=f32')
   """
 
   step: int

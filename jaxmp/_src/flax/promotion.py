@@ -72,6 +72,15 @@ class OverflowReport:
       from :func:`jaxmp.nonfinite_paths` of the gradients given (empty when
       none were). An overflow in the forward pass makes the gradients of
       every module before it non-finite too, so this is the wider list.
+
+  Example:
+    >>> import jaxmp, jaxmp.flax
+    >>> report = jaxmp.flax.OverflowReport(modules=("head",), calls=(),
+    ...                                    inputs_finite=True)
+    >>> print(report)
+    inf or nan first produced by 'head'
+    >>> print(report.propose_policy("mixed_float16"))
+    ModulePolicy({'head': p=f32,c=f32,o=f32}, default=p=f32,c=f16,o=f32, first_match=False, override_dtype=False)
   """
 
   modules: tuple[str, ...]
