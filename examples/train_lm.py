@@ -737,8 +737,9 @@ def plot(results: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
             label=f"{r['policy']} validation")
   mark_events(ax, results)
   ax.set_ylabel("cross entropy\n(nats/byte)")
-  ax.set_title("Byte-level transformer LM: "
-               + " vs ".join(r["policy"] for r in results))
+  names = [r["policy"] for r in results]
+  ax.set_title("Byte-level transformer LM: " + " vs ".join(names) if len(names) <= 3
+               else "Byte-level transformer LM:\n" + " vs ".join(names))
   ax.legend(fontsize=8, ncol=2)
   ax.grid(alpha=0.3)
 
