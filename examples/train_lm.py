@@ -16,6 +16,8 @@ Usage::
   python examples/train_lm.py                      # compare the three policies
   python examples/train_lm.py --policy mixed_float16 --init-scale '2**24'
   python examples/train_lm.py --steps 2000 --d-model 256 --layers 6   # longer
+  python examples/train_lm.py --fp16-spike 100              # float16 fails for real
+  python examples/train_lm.py --fp16-spike 100 --fallback   # ... and falls back
 
 Writes ``runs/<timestamp>/metrics.json`` and ``runs/<timestamp>/loss.png``
 and prints a summary table.
@@ -41,6 +43,13 @@ from typing import Any
 
 COMPARED_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 VALIDATION_FRACTION = 0.05
+# --fp16-spike: at that step the token embeddings are multiplied by
+# SPIKE_FACTOR, as a divergence blows up the residual stream of a pre-LayerNorm
+# transformer. The values leave float16's range (65504) at any loss scale, so
+# the scale falls to its floor and overflows there: DeepSpeed's "Current loss
+# scale already at minimum". The LayerNorms keep float32 and bfloat16 finite.
+SPIKE_FACTOR = 2.0**20
+FALLBACK_SUFFIX = "+fallback"
 
 
 class UsageError(Exception):
@@ -122,6 +131,18 @@ def build_parser() -> argparse.ArgumentParser:
   )
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument(
+      "--fp16-spike", type=int, default=None, metavar="STEP",
+      help="before step STEP, multiply the token embeddings by 2**20 (in "
+      "every policy), as a divergence blows up the residual stream: float16 "
+      "then overflows at the minimum loss scale",
+  )
+  parser.add_argument(
+      "--fallback", action="store_true",
+      help="also train each float16 policy under jaxmp.PrecisionFallback, "
+      "which switches the run to bfloat16 (where the hardware has it) or "
+      "float32 when float16 overflows at the minimum loss scale",
+  )
+  parser.add_argument(
       "--eval-every", type=int, default=50,
       help="steps between validation evaluations",
   )
@@ -155,6 +176,8 @@ class Config:
   seed: int
   eval_every: int
   eval_batches: int
+  fp16_spike: int | None = None
+  fallback: bool = False
 
 
 def check_args(args: argparse.Namespace) -> tuple[list[str], Config]:
@@ -184,6 +207,20 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], Config]:
     raise UsageError(
         f"--d-model ({args.d_model}) must be a multiple of --heads ({args.heads})."
     )
+  if args.fp16_spike is not None and not 1 <= args.fp16_spike <= args.steps:
+    raise UsageError(
+        f"--fp16-spike must be a step from 1 to --steps ({args.steps}), got "
+        f"{args.fp16_spike}."
+    )
+  if args.fallback:
+    scaled = [p for p in policies if jaxmp.get_policy(p).needs_loss_scaling]
+    if not scaled:
+      raise UsageError(
+          "--fallback watches float16 runs, but no policy of this run computes "
+          f"in float16 ({', '.join(policies)}); add --policy mixed_float16 or "
+          "use --policy compare."
+      )
+    policies += [p + FALLBACK_SUFFIX for p in scaled]
   if not (math.isfinite(args.lr) and args.lr > 0):
     raise UsageError(f"--lr must be a positive number, got {args.lr}.")
   init_scale = parse_number(args.init_scale)
@@ -197,6 +234,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], Config]:
       d_model=args.d_model, layers=args.layers, heads=args.heads, lr=args.lr,
       init_scale=init_scale, scale_period=args.scale_period, seed=args.seed,
       eval_every=args.eval_every, eval_batches=args.eval_batches,
+      fp16_spike=args.fp16_spike, fallback=args.fallback,
   )
   return policies, config
 
@@ -387,23 +425,66 @@ def make_optimizer(config: Config, policy):
   return jaxmp.loss_scaling(inner, loss_scale)
 
 
-def make_train_step(loss_fn, tx):
-  """One guarded step: scaled gradients, update or skip, adjust the scale."""
+def spike_embeddings(params):
+  """The params with the token embeddings multiplied by SPIKE_FACTOR."""
+  embed = dict(params["Embed_0"])
+  embed["embedding"] = embed["embedding"] * SPIKE_FACTOR
+  return {**params, "Embed_0": embed}
+
+
+def scaled_gradients(loss_fn):
+  """The gradients of a batch, as every run here takes them.
+
+  Returns ``gradients(params, opt_state, batch) -> (loss, grads,
+  update_args)``: the loss, the gradients of the loss scaled by the state's
+  loss scale, and the keyword arguments the step passes on to ``tx.update``
+  (none here). A way of taking gradients that tells the optimizer more about
+  the batch returns them there; give it to :func:`make_train_step`.
+  """
+  import jaxmp  # pylint: disable=import-outside-toplevel
+
+  def gradients(params, opt_state, batch):
+    loss_scale = jaxmp.get_loss_scale(opt_state)
+    loss, grads = jaxmp.scaled_value_and_grad(loss_fn, loss_scale)(params, batch)
+    return loss, grads, {}
+
+  return gradients
+
+
+def make_train_step(loss_fn, tx, *, gradients=scaled_gradients):
+  """One guarded step: scaled gradients, update or skip, adjust the scale.
+
+  ``gradients(loss_fn)`` builds the function that takes the gradients of a
+  batch (default :func:`scaled_gradients`).
+  """
   import jax  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
 
   import jaxmp  # pylint: disable=import-outside-toplevel
 
+  batch_gradients = gradients(loss_fn)
+
   def train_step(params, opt_state, batch):
-    loss_scale = jaxmp.get_loss_scale(opt_state)
-    loss, grads = jaxmp.scaled_value_and_grad(loss_fn, loss_scale)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    loss, grads, update_args = batch_gradients(params, opt_state, batch)
+    updates, opt_state = tx.update(grads, opt_state, params, **update_args)
     params = optax.apply_updates(params, updates)
     metrics = jaxmp.loss_scaling_metrics(opt_state)
     metrics["loss"] = loss
     return params, opt_state, metrics
 
   return jax.jit(train_step, donate_argnums=(0, 1))
+
+
+def fallback_controller(policy_name: str):
+  """The PrecisionFallback of a ``+fallback`` run: float16, then one wider policy.
+
+  The wider policy is bfloat16 where the hardware runs it natively, else
+  float32 (jaxmp refuses a bfloat16 rung on hardware without it).
+  """
+  import jaxmp  # pylint: disable=import-outside-toplevel
+
+  wider = "mixed_bfloat16" if jaxmp.hardware_report().native_bfloat16 else "float32"
+  return jaxmp.PrecisionFallback((policy_name, wider), every=1)
 
 
 # ---------------------------------------------------------------------------
@@ -435,9 +516,16 @@ def memory_figure(compiled) -> dict[str, Any]:
   return {"bytes": int(total), "source": "XLA estimate of the step"}
 
 
-def train(policy_name: str, config: Config, train_text, val_text,
-          progress: bool) -> dict[str, Any]:
-  """Trains one policy; returns its metrics."""
+def train(run_name: str, config: Config, train_text, val_text,
+          progress: bool, gradients=scaled_gradients) -> dict[str, Any]:
+  """Trains one policy; returns its metrics.
+
+  ``run_name`` is a policy, or a float16 policy with ``+fallback``: the run
+  then starts in that policy and a :class:`jaxmp.PrecisionFallback` switches
+  it to a wider one when float16 fails (the step is compiled once more).
+  ``gradients`` is how the step takes the gradients of a batch (see
+  :func:`make_train_step`).
+  """
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -445,6 +533,8 @@ def train(policy_name: str, config: Config, train_text, val_text,
 
   import jaxmp  # pylint: disable=import-outside-toplevel
 
+  policy_name = run_name.removesuffix(FALLBACK_SUFFIX)
+  fallback = fallback_controller(policy_name) if run_name != policy_name else None
   policy = jaxmp.get_policy(policy_name)
   model = make_model(config.d_model, config.layers, config.heads, config.seq_len)
   loss_fn = make_loss_fn(model, policy)
@@ -458,7 +548,8 @@ def train(policy_name: str, config: Config, train_text, val_text,
 
   batch = random_windows(rng, train_text, config.batch_size, config.seq_len)
   started = time.perf_counter()
-  compiled = make_train_step(loss_fn, tx).lower(params, opt_state, batch).compile()
+  compiled = make_train_step(loss_fn, tx, gradients=gradients).lower(
+      params, opt_state, batch).compile()
   compile_seconds = time.perf_counter() - started
   evaluate = jax.jit(loss_fn)
   train_eval = fixed_windows(train_text, config.eval_batches * config.batch_size,
@@ -471,13 +562,16 @@ def train(policy_name: str, config: Config, train_text, val_text,
               for i in range(0, len(windows), config.batch_size)]
     return float(np.mean(jax.device_get(losses)))
 
-  history = {"loss": [], "loss_scale": [], "skipped": []}
+  history = {"loss": [], "loss_scale": [], "skipped": [], "policy": []}
   val_history = {"step": [], "loss": []}
-  bar = tqdm.tqdm(total=config.steps, desc=f"{policy_name:>14}", unit="step",
+  events = []  # the crash condition, and switches of the policy
+  bar = tqdm.tqdm(total=config.steps, desc=f"{run_name:>14}", unit="step",
                   disable=not progress, mininterval=0.5, dynamic_ncols=True)
   train_seconds, skipped = 0.0, 0
   scale_used = float(jax.device_get(jaxmp.get_loss_scale(opt_state).loss_scale))
   for step in range(1, config.steps + 1):
+    if step == config.fp16_spike:
+      params = spike_embeddings(params)
     started = time.perf_counter()
     params, opt_state, metrics = compiled(params, opt_state, batch)
     metrics = jax.device_get(metrics)
@@ -486,9 +580,26 @@ def train(policy_name: str, config: Config, train_text, val_text,
     loss, scale = float(metrics["loss"]), float(metrics["loss_scale"])
     skipped = int(metrics["skipped_steps"])
     history["loss"].append(loss)
-    history["loss_scale"].append(scale_used)  # the scale this step ran with
+    # The scale this step ran with; none (nan: a gap in the plot) once the
+    # run switched to a policy without loss scaling.
+    history["loss_scale"].append(
+        scale_used if policy.needs_loss_scaling else float("nan"))
     scale_used = scale
     history["skipped"].append(not bool(metrics["last_finite"]))
+    history["policy"].append(str(policy))
+    if not events and int(metrics["overflows_at_min"]) > 0:
+      events.append({"step": step, "event": "crash condition",
+                     "detail": "overflow at the minimum loss scale"})
+    if fallback is not None:
+      opt_state, new_policy = fallback.update(opt_state, step=step)
+      if new_policy != policy:
+        policy = new_policy
+        loss_fn = make_loss_fn(model, policy)
+        evaluate = jax.jit(loss_fn)
+        compiled = make_train_step(loss_fn, tx, gradients=gradients).lower(
+            params, opt_state, batch).compile()
+        events.append({"step": step, "event": "switch",
+                       "detail": f"switched to {policy}"})
     if step % config.eval_every == 0 or step == config.steps:
       val_history["step"].append(step)
       val_history["loss"].append(mean_loss(params, val_eval))
@@ -499,15 +610,21 @@ def train(policy_name: str, config: Config, train_text, val_text,
   bar.close()
 
   tokens = config.steps * config.batch_size * config.seq_len
+  lost = {}  # skipped batches per policy, in the order the run went through them
+  for name, skipped_step in zip(history["policy"], history["skipped"]):
+    lost[name] = lost.get(name, 0) + int(skipped_step)
   return {
-      "policy": policy_name,
-      "policy_string": str(policy),
-      "loss_scaling": policy.needs_loss_scaling,
+      "policy": run_name,
+      "policy_string": str(jaxmp.get_policy(policy_name)),
+      "loss_scaling": jaxmp.get_policy(policy_name).needs_loss_scaling,
+      "lost_batches": lost,
+      "events": events,
       "parameters": int(n_params),
       "final_train_loss": mean_loss(params, train_eval),
       "final_val_loss": val_history["loss"][-1],
       "skipped_steps": skipped,
       "final_loss_scale": scale_used,
+      "final_loss_scaling": policy.needs_loss_scaling,
       "tokens_per_second": tokens / train_seconds,
       "compile_seconds": compile_seconds,
       "memory": memory_figure(compiled),
@@ -526,21 +643,44 @@ def format_bytes(count: int | None) -> str:
   return f"{count / 2**20:.1f} MiB"
 
 
+def preset_name(policy_string: str) -> str:
+  """``mixed_float16`` for ``p=f32,c=f16,o=f32``; other policies as they are."""
+  import jaxmp  # pylint: disable=import-outside-toplevel
+
+  for name in COMPARED_POLICIES:
+    if str(jaxmp.get_policy(name)) == policy_string:
+      return name
+  return policy_string
+
+
 def summary_table(results: Sequence[dict[str, Any]]) -> str:
-  """The summary as a Markdown table."""
+  """The summary as a Markdown table.
+
+  When a run met float16's crash condition or switched policy, two columns
+  say so: the batches lost (skipped) under each policy the run went through,
+  and the events with their steps.
+  """
+  events = any(r.get("events") for r in results)
   lines = [
       "| policy | train loss | val loss | skipped steps | final loss scale "
-      "| tokens/s | memory |",
-      "|---|---|---|---|---|---|---|",
+      "| tokens/s | memory |" + (" lost batches per policy | events |" if events else ""),
+      "|---|---|---|---|---|---|---|" + ("---|---|" if events else ""),
   ]
   for r in results:
     memory = r["memory"]
-    lines.append(
+    line = (
         f"| {r['policy']} | {r['final_train_loss']:.3f} | "
         f"{r['final_val_loss']:.3f} | {r['skipped_steps']} | "
-        f"{format_scale(r['final_loss_scale'], r['loss_scaling'])} | "
+        f"{format_scale(r['final_loss_scale'], r.get('final_loss_scaling', r['loss_scaling']))} | "
         f"{r['tokens_per_second']:,.0f} | {format_bytes(memory['bytes'])} |"
     )
+    if events:
+      lost = ", ".join(f"{preset_name(name)}: {count}"
+                       for name, count in r["lost_batches"].items())
+      happened = "; ".join(
+          f"{e['event']} at step {e['step']} ({e['detail']})" for e in r["events"])
+      line += f" {lost} | {happened or '-'} |"
+    lines.append(line)
   sources = sorted({r["memory"]["source"] for r in results})
   lines.append("")
   lines.append(f"memory: {', '.join(sources)}.")
@@ -554,13 +694,30 @@ def _smooth(values, window: int):
   return np.convolve(values, np.ones(window) / window, mode="valid")
 
 
+def mark_events(ax, results: Sequence[dict[str, Any]]) -> None:
+  """Vertical lines at the switches (solid) and crash conditions (dotted).
+
+  A run that switched is marked at its switch only.
+  """
+  for r in results:
+    events = r.get("events", ())
+    if any(e["event"] == "switch" for e in events):
+      events = [e for e in events if e["event"] == "switch"]
+    for e in events:
+      switch = e["event"] == "switch"
+      ax.axvline(e["step"], color="black", linestyle="-" if switch else ":",
+                 linewidth=1.0, alpha=0.7,
+                 label=f"{r['policy']}: {e['detail']} (step {e['step']})")
+
+
 def plot(results: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
   """Loss curves of every policy; the float16 loss scale with skipped steps.
 
   Panels: the train loss (a running mean over 10 steps) and the validation
   loss; when float32 ran too, each policy's train loss minus float32's (so
   that curves hidden under each other show); the loss scale of the runs that
-  use loss scaling, with the skipped steps marked.
+  use loss scaling, with the skipped steps marked. Vertical lines mark where
+  a run switched policy (solid) or met float16's crash condition (dotted).
   """
   import matplotlib  # pylint: disable=import-outside-toplevel
 
@@ -591,9 +748,11 @@ def plot(results: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
     ax.plot(r["validation"]["step"], r["validation"]["loss"], "o",
             color=line.get_color(), markersize=4,
             label=f"{r['policy']} validation")
+  mark_events(ax, results)
   ax.set_ylabel("cross entropy\n(nats/byte)")
-  ax.set_title("Byte-level transformer LM: "
-               + " vs ".join(r["policy"] for r in results))
+  names = [r["policy"] for r in results]
+  ax.set_title("Byte-level transformer LM: " + " vs ".join(names) if len(names) <= 3
+               else "Byte-level transformer LM:\n" + " vs ".join(names))
   ax.legend(fontsize=8, ncol=2)
   ax.grid(alpha=0.3)
 
@@ -620,6 +779,7 @@ def plot(results: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
     ax.plot(all_steps[skipped], used[skipped], "x", color="red",
             label=f"skipped steps ({len(skipped)})")
     ax.set_yscale("log", base=2)
+    mark_events(ax, [r])
     ax.set_ylabel("loss scale")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)

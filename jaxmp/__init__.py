@@ -19,6 +19,11 @@ from jaxmp._src.diagnostics import (
     report_nonfinite,
     suggest_loss_scale,
 )
+from jaxmp._src.fallback import (
+    PrecisionFallback,
+    PrecisionSwitch,
+    switch_precision,
+)
 from jaxmp._src.hardware import HardwareReport, hardware_report
 from jaxmp._src.loss_scale import (
     DynamicLossScale,
@@ -103,6 +108,10 @@ __all__ = [
     "finite_mask",
     "report_nonfinite",
     "LossScaleMonitor",
+    # Falling back to a wider policy.
+    "PrecisionFallback",
+    "PrecisionSwitch",
+    "switch_precision",
     # The precision audit.
     "precision_report",
     "PrecisionReport",

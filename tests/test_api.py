@@ -29,6 +29,8 @@ PUBLIC = {
     # Diagnostics and monitoring.
     "nonfinite_paths", "grad_stats", "dtype_headroom", "suggest_loss_scale",
     "finite_mask", "report_nonfinite", "LossScaleMonitor",
+    # Falling back to a wider policy (docs/when-fp16-fails.md).
+    "PrecisionFallback", "PrecisionSwitch", "switch_precision",
     # The precision audit.
     "precision_report", "PrecisionReport", "PrecisionOp", "PrecisionWarning",
 }
@@ -36,6 +38,7 @@ PUBLIC = {
 FLAX_PUBLIC = {
     "TrainState", "ModulePolicy", "nnx_scaled_value_and_grad", "nnx_keep_on_skip",
     "save_checkpoint", "restore_checkpoint", "loss_scale_config",
+    "find_overflowing_modules", "OverflowReport",
 }
 
 

@@ -991,6 +991,206 @@ GUARD_COST_CASES = [
 CASES += GUARD_COST_CASES
 
 
+# -- Precision fallback ---------------------------------------------------------
+# jaxmp.PrecisionFallback, jaxmp.switch_precision, jaxmp.flax.find_overflowing_modules
+# and the checkpoints of a run that switched.
+
+LADDER = ("mixed_float16", "float32")
+
+
+def fallback(ladder=LADDER, **kwargs):
+  return lambda: jaxmp.PrecisionFallback(ladder, **kwargs)
+
+
+def nnx_optimizer():
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  return model, nnx.Optimizer(
+      model, jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale()),
+      wrt=nnx.Param)
+
+
+def float16_state():
+  model = nn.Dense(2)
+  params = model.init(jax.random.key(0), jnp.ones((1, 2)))["params"]
+  return jaxmp.flax.TrainState.create(apply_fn=model.apply, params=params,
+                                      tx=optax.sgd(0.1), policy="mixed_float16")
+
+
+def switched_run(path, fallback_to_save=True, target=None):
+  """Saves a run that switched to float32 at step 1; returns its controller."""
+  controller = jaxmp.PrecisionFallback(LADDER)
+  state = controller.switch(target or float16_state(), "float32", reason="a test",
+                            step=1)
+  jaxmp.flax.save_checkpoint(path, state,
+                             fallback=controller if fallback_to_save else None)
+  return controller
+
+
+def restore_switched(target_or_nnx, **given):
+  def call():
+    kwargs = dict(given)  # each call starts from the case's own arguments
+    with tempfile.TemporaryDirectory() as folder:
+      path = os.path.join(folder, "ckpt")
+      if target_or_nnx == "nnx":
+        model, optimizer = nnx_optimizer()
+        controller = jaxmp.PrecisionFallback(LADDER)
+        controller.switch(optimizer, "float32", reason="a test", step=1, model=model)
+        jaxmp.flax.save_checkpoint(path, (model, optimizer), fallback=controller)
+        return jaxmp.flax.restore_checkpoint(path, nnx_optimizer()[1], **kwargs)
+      switched_run(path, fallback_to_save=kwargs.pop("saved_with_fallback", True))
+      return jaxmp.flax.restore_checkpoint(path, float16_state(), **kwargs)
+
+  return call
+
+
+def save_a_policy_with_a_local_class(path):
+  class Local(nn.Module):
+    pass
+
+  controller = jaxmp.PrecisionFallback(LADDER)
+  policy = jaxmp.flax.ModulePolicy({Local: "float32"}, default="mixed_float16")
+  state = controller.switch(float16_state(), policy, reason="a test", step=1)
+  jaxmp.flax.save_checkpoint(path, state, fallback=controller)
+
+
+class Wide(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(2, name="head")(x)
+
+
+def overflow_report(x):
+  apply = jaxmp.get_policy("mixed_float16").wrap_apply(Wide().apply)
+  return jaxmp.flax.find_overflowing_modules(
+      apply, Wide().init(jax.random.key(0), jnp.ones((1, 2))), x)
+
+
+FALLBACK_CASES = [
+    Case("PrecisionFallback: a string for the ladder", fallback("mixed_float16"),
+         TypeError, r"ladder must be a sequence of policies.*got 'mixed_float16'",
+         r"e\.g\. \('mixed_float16', 'float32'\)"),
+    Case("PrecisionFallback: an empty ladder", fallback(()), ValueError,
+         r"the ladder is empty", r"Give the policy the run starts in first"),
+    Case("PrecisionFallback: one rung and nothing to switch to",
+         fallback(("mixed_float16",)), ValueError,
+         r"the ladder has one rung \(p=f32,c=f16,o=f32\)",
+         r"Add the policy to fall back to.*on_failure='raise'"),
+    Case("PrecisionFallback: a rung named twice",
+         fallback(("mixed_float16", "p=f32,c=f16,o=f32")), ValueError,
+         r"names p=f32,c=f16,o=f32 twice \(rungs 0 and 1\)",
+         r"Each rung is a different policy"),
+    Case("PrecisionFallback: float16 after float32", fallback(("float32", "mixed_float16")),
+         ValueError, r"goes from p=f32,c=f32,o=f32, which needs no loss scaling, back "
+         r"to p=f32,c=f16,o=f32", r"put the float16 policies first"),
+    Case("PrecisionFallback: a bfloat16 rung on hardware without bfloat16",
+         fallback(("mixed_float16", "mixed_bfloat16", "float32")), ValueError,
+         r"rung 1 of the ladder \(p=f32,c=bf16,o=f32\) computes in bfloat16, which "
+         r"this hardware \(cpu: .*\) does not run natively",
+         r"Fall back to 'float32' instead.*jaxmp doctor"),
+    Case("PrecisionFallback: an unknown on_failure", fallback(on_failure="crash"),
+         ValueError, r"on_failure must be 'switch' .* or 'raise'.*got 'crash'",
+         r"fall back to the next policy of the ladder"),
+    Case("PrecisionFallback: every=0", fallback(every=0), ValueError,
+         r"PrecisionFallback: every must be .*1.*got 0", r"every"),
+    Case("PrecisionFallback: a rate above 1", fallback(max_overflow_rate=1.5),
+         ValueError, r"max_overflow_rate .*got 1\.5",
+         r"Pass None to switch only on overflows at the minimum scale"),
+    Case("PrecisionFallback: a platform name for hardware", fallback(hardware="gpu"),
+         TypeError, r"hardware must be a jaxmp\.HardwareReport .*got 'gpu'",
+         r"jaxmp\.hardware_report\(\)"),
+    Case("PrecisionFallback.update: an optax state without step",
+         lambda: jaxmp.PrecisionFallback(LADDER).update(STATE), TypeError,
+         r"pass step= .*with a plain optax state",
+         r"a jaxmp\.flax\.TrainState or an nnx\.Optimizer carries its own"),
+    Case("PrecisionFallback.switch: no reason",
+         lambda: jaxmp.PrecisionFallback(LADDER).switch(STATE, "float32", reason="",
+                                                        step=1),
+         TypeError, r"reason must be a non-empty string .*got ''",
+         r"it is logged and recorded"),
+    Case("switch_precision: a state without loss scaling",
+         lambda: jaxmp.switch_precision(optax.adam(0.1).init(PARAMS), "float32"),
+         ValueError, r"switch_precision needs a training state built on "
+         r"jaxmp\.loss_scaling.*no jaxmp\.loss_scaling state found",
+         r"Wrap the optimizer with jaxmp\.loss_scaling"),
+    Case("switch_precision: to float16 from a state without a loss scale",
+         lambda: jaxmp.switch_precision(
+             jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.NoOpLossScale()).init(PARAMS),
+             "mixed_float16"),
+         ValueError, r"the new policy p=f32,c=f16,o=f32 needs loss scaling, but the "
+         r"training state has no loss scale", r"build a new state with "
+         r"jaxmp\.DynamicLossScale\(\)"),
+    Case("switch_precision: a policy that stores the params in bfloat16",
+         lambda: jaxmp.switch_precision(float16_state(), "p=bf16,c=bf16,o=f32"),
+         ValueError, r"stores the params in other dtypes .*float32 now, bfloat16",
+         r"the policies of a ladder share their param_dtype"),
+    Case("switch_precision: an nnx.Optimizer without its model",
+         lambda: jaxmp.switch_precision(nnx_optimizer()[1], "float32"), TypeError,
+         r"an nnx\.Optimizer needs its model.*got model=None",
+         r"switch_precision\(optimizer, policy, model=model\)"),
+    Case("switch_precision: a model with a plain optax state",
+         lambda: jaxmp.switch_precision(STATE, "float32", model=nnx_optimizer()[0]),
+         TypeError, r"model= is for an nnx\.Optimizer", r"takes no model"),
+    Case("switch_precision: a PathPolicy for an NNX model",
+         lambda: jaxmp.switch_precision(
+             nnx_optimizer()[1], jaxmp.PathPolicy({"kernel": "float32"}),
+             model=nnx_optimizer()[0]),
+         TypeError, r"an NNX model takes a jaxmp\.Policy or a "
+         r"jaxmp\.flax\.ModulePolicy.*got PathPolicy",
+         r"A PathPolicy casts a params tree"),
+    Case("find_overflowing_modules: a Linen module instead of its apply",
+         lambda: jaxmp.flax.find_overflowing_modules(Wide(), {}, jnp.ones((1, 2))),
+         TypeError, r"pass the apply function, not the Linen module",
+         r"state\.apply_fn, or policy\.wrap_apply\(model\.apply\)"),
+    Case("find_overflowing_modules: neither a function nor an NNX module",
+         lambda: jaxmp.flax.find_overflowing_modules("model"), TypeError,
+         r"model must be a Linen apply function .*got str", r"or an NNX module"),
+    Case("OverflowReport.propose_policy: a forward pass without overflow",
+         lambda: overflow_report(jnp.ones((1, 2))).propose_policy("mixed_float16"),
+         ValueError, r"every module's outputs are finite in this forward pass",
+         r"Fall back to a wider policy"),
+    Case("OverflowReport.propose_policy: inputs that are not finite",
+         lambda: overflow_report(jnp.full((1, 2), jnp.inf)).propose_policy(
+             "mixed_float16"),
+         ValueError, r"the model's inputs already hold inf or nan",
+         r"jaxmp\.nonfinite_paths\(batch\)"),
+    Case("OverflowReport.propose_policy: a PathPolicy",
+         lambda: overflow_report(jnp.full((1, 2), 1e5)).propose_policy(
+             jaxmp.PathPolicy({"head": "float32"}, default="mixed_float16")),
+         TypeError, r"module promotion needs a jaxmp\.Policy or a "
+         r"jaxmp\.flax\.ModulePolicy", r"A PathPolicy chooses dtypes per parameter"),
+    Case("restore_checkpoint: fallback= for a checkpoint saved without one",
+         restore_switched("state", saved_with_fallback=False,
+                          fallback=jaxmp.PrecisionFallback(LADDER)),
+         ValueError, r"the checkpoint was saved without it",
+         r"save with jaxmp\.flax\.save_checkpoint\(\.\.\., fallback=fallback\)"),
+    Case("restore_checkpoint: a controller with another ladder",
+         restore_switched("state", fallback=jaxmp.PrecisionFallback(
+             ("mixed_float16", "p=f32,c=f32,o=f16"))),
+         ValueError, r"with the ladder \['p=f32,c=f16,o=f32', 'p=f32,c=f32,o=f32'\], "
+         r"but the given one has", r"Build the controller with the ladder of the run"),
+    Case("restore_checkpoint: a switched run without its controller",
+         restore_switched("state"), ValueError,
+         r"saved with a jaxmp\.PrecisionFallback, whose run is in the policy "
+         r"p=f32,c=f32,o=f32 after 1 switch", r"Pass the run's controller"),
+    Case("restore_checkpoint: fallback= of the wrong type",
+         restore_switched("state", fallback="float32"), TypeError,
+         r"fallback must be the jaxmp\.PrecisionFallback .*got 'float32'",
+         r"that watches the run"),
+    Case("restore_checkpoint: a switched NNX run into the optimizer alone",
+         restore_switched("nnx", fallback=jaxmp.PrecisionFallback(LADDER)),
+         ValueError, r"the saved run switched to the policy p=f32,c=f32,o=f32, which "
+         r"sets the dtypes of the model's modules",
+         r"restore into \(model, optimizer\)"),
+    Case("save_checkpoint: a policy naming a class defined in a function",
+         restore_saved(save_a_policy_with_a_local_class, STATE), ValueError,
+         r"names the module class .*Local, which cannot be imported by its name",
+         r"Define the class at the top level of a module"),
+]
+
+CASES += FALLBACK_CASES
+
+
 def test_the_catalogue_is_large_and_distinct():
   names = [case.name for case in CASES]
   assert len(names) == len(set(names))

@@ -50,6 +50,7 @@ GUIDE_PAGES = (
     "flax.md",
     "distributed.md",
     "diagnostics.md",
+    "when-fp16-fails.md",
     "migration-deepspeed.md",
     "migration-pytorch.md",
     "migration-jmp.md",

@@ -80,9 +80,60 @@ def test_float16_from_2_24_overflows_and_backs_off(compare_run):
     assert results[name]["skipped_steps"] == 0
 
 
+def test_the_default_run_has_no_precision_events(compare_run):
+  proc, run_dir = compare_run
+  assert "lost batches per policy" not in proc.stdout
+  for result in json.loads((run_dir / "metrics.json").read_text())["results"]:
+    assert result["events"] == []
+
+
+@pytest.fixture(scope="module")
+def spike_run(tmp_path_factory):
+  """float16 with a spike at step 6, plain and under the fallback controller."""
+  out = tmp_path_factory.mktemp("spike")
+  proc = _run(*TINY, "--steps", "14", "--policy", "mixed_float16", "--fallback",
+              "--fp16-spike", "6", "--init-scale", "2**2", "--out", str(out),
+              cwd=out)
+  assert proc.returncode == 0, proc.stderr
+  (run_dir,) = list(out.iterdir())
+  results = json.loads((run_dir / "metrics.json").read_text())["results"]
+  return proc, run_dir, {r["policy"]: r for r in results}
+
+
+def test_the_spike_drives_plain_float16_to_the_crash_condition(spike_run):
+  _, _, results = spike_run
+  plain = results["mixed_float16"]
+  # 4 -> 2 -> 1 on steps 6 and 7; step 8 overflows at the minimum scale.
+  assert plain["events"] == [{"step": 8, "event": "crash condition",
+                              "detail": "overflow at the minimum loss scale"}]
+  assert plain["train"]["skipped"] == [False] * 5 + [True] * 9
+  assert plain["lost_batches"] == {"p=f32,c=f16,o=f32": 9}
+  assert plain["final_loss_scale"] == 1.0
+
+
+def test_the_fallback_run_switches_once_and_loses_no_batch_after(spike_run):
+  proc, run_dir, results = spike_run
+  run = results["mixed_float16+fallback"]
+  assert [e["event"] for e in run["events"]] == ["crash condition", "switch"]
+  assert run["events"][1] == {"step": 8, "event": "switch",
+                              "detail": "switched to p=f32,c=f32,o=f32"}
+  assert run["train"]["policy"] == (["p=f32,c=f16,o=f32"] * 8
+                                    + ["p=f32,c=f32,o=f32"] * 6)
+  assert run["train"]["skipped"] == [False] * 5 + [True] * 3 + [False] * 6
+  assert run["lost_batches"] == {"p=f32,c=f16,o=f32": 3, "p=f32,c=f32,o=f32": 0}
+  assert all(math.isfinite(x) for x in run["train"]["loss"][8:])
+  assert math.isfinite(run["final_val_loss"])
+  assert ("| mixed_float16+fallback |" in proc.stdout
+          and "mixed_float16: 3, float32: 0 |" in proc.stdout
+          and "switch at step 8 (switched to p=f32,c=f32,o=f32)" in proc.stdout)
+  assert (run_dir / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
+        (["--policy", "float32", "--fallback"], "--fallback watches float16 runs"),
+        (["--fp16-spike", "0"], "--fp16-spike must be a step from 1 to --steps"),
         (["--data", "no/such/file.txt"], "no such file"),
         (["--data", "{empty}"], "empty"),
         (["--policy", "float17"], "Unknown policy 'float17'"),

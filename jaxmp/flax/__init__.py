@@ -8,7 +8,14 @@
 * :class:`ModulePolicy` runs chosen modules (``nn.LayerNorm``, ``"head"``) under
   their own policy, for Linen and NNX models.
 * :func:`save_checkpoint` / :func:`restore_checkpoint` use orbax and check the
-  loss scale's configuration on resume.
+  loss scale's configuration on resume (and follow a precision switch of
+  :class:`jaxmp.PrecisionFallback`).
+* :func:`find_overflowing_modules` finds the modules whose outputs overflow;
+  its :class:`OverflowReport` proposes a :class:`ModulePolicy` that keeps just
+  those in float32.
+
+Importing this package also teaches :func:`jaxmp.switch_precision` and
+:class:`jaxmp.PrecisionFallback` the ``TrainState`` and ``nnx.Optimizer``.
 """
 
 from jaxmp._src.flax.checkpoint import (
@@ -16,8 +23,10 @@ from jaxmp._src.flax.checkpoint import (
     restore_checkpoint,
     save_checkpoint,
 )
+from jaxmp._src.flax import fallback as _fallback  # noqa: F401  (registers the Flax targets)
 from jaxmp._src.flax.module_policy import ModulePolicy
 from jaxmp._src.flax.nnx import nnx_keep_on_skip, nnx_scaled_value_and_grad
+from jaxmp._src.flax.promotion import OverflowReport, find_overflowing_modules
 from jaxmp._src.flax.train_state import TrainState
 
 __all__ = [
@@ -28,4 +37,6 @@ __all__ = [
     "save_checkpoint",
     "restore_checkpoint",
     "loss_scale_config",
+    "find_overflowing_modules",
+    "OverflowReport",
 ]

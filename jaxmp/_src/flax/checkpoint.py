@@ -7,6 +7,12 @@ code. :func:`save_checkpoint` also writes that configuration (and the policy)
 as JSON next to the arrays, and :func:`restore_checkpoint` checks that the
 target has the same, so that a changed ``period`` or ``min_loss_scale`` does
 not slip through a resume unnoticed.
+
+With ``fallback=`` (a :class:`jaxmp.PrecisionFallback`), the checkpoint also
+records the controller's state: its current policy and the switches so far.
+Restoring with the controller then switches the target, built in the ladder's
+first policy as at the start of the run, to the policy the saved run had
+reached, and the controller resumes where it was.
 """
 
 from __future__ import annotations
@@ -17,12 +23,15 @@ from typing import Any
 
 import jax
 
+from jaxmp._src.flax.fallback import fallback_config, resume_target
 from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.loss_scaling import LossScalingState, _find_states
 
 # The items of a checkpoint written by save_checkpoint (orbax subdirectories).
 _STATE = "state"
 _CONFIG = "jaxmp_config"
+# The key of the configuration that holds a PrecisionFallback's state.
+_FALLBACK = "precision_fallback"
 # How many differing paths an error lists.
 _SHOWN = 6
 
@@ -86,11 +95,15 @@ def loss_scale_config(target: Any) -> dict[str, Any]:
   return scales[0].config()
 
 
-def _config(target: Any) -> dict[str, Any]:
+def _config(target: Any, fallback: Any = None) -> dict[str, Any]:
   config = {"loss_scale": loss_scale_config(target)}
   policy = getattr(target, "policy", None)
+  if policy is None and fallback is not None:
+    policy = fallback.policy  # a target that carries no policy
   if policy is not None:
     config["policy"] = str(policy)
+  if fallback is not None:
+    config[_FALLBACK] = fallback_config(fallback)
   return config
 
 
@@ -194,7 +207,7 @@ def _kind_of_checkpoint(directory: pathlib.Path) -> str:
 
 
 def save_checkpoint(directory: str | os.PathLike[str], target: Any, *,
-                    force: bool = False) -> None:
+                    force: bool = False, fallback: Any = None) -> None:
   """Saves a training state with orbax, loss scale and its configuration included.
 
   Args:
@@ -204,6 +217,10 @@ def save_checkpoint(directory: str | os.PathLike[str], target: Any, *,
       objects (an ``nnx.Optimizer``, or a tuple such as ``(model,
       optimizer)``), whose ``nnx.state`` is saved.
     force: overwrite an existing checkpoint.
+    fallback: the :class:`jaxmp.PrecisionFallback` that watches the run, if
+      any: its state (the current policy, the switches) is saved too, and
+      its policy is recorded for targets that carry none (an optax state,
+      NNX objects).
 
   Example:
     >>> import os, tempfile, jax.numpy as jnp, optax, jaxmp, jaxmp.flax
@@ -225,14 +242,14 @@ def save_checkpoint(directory: str | os.PathLike[str], target: Any, *,
       os.path.abspath(os.fspath(directory)),
       args=ocp.args.Composite(
           state=ocp.args.StandardSave(items),
-          jaxmp_config=ocp.args.JsonSave(_config(target)),
+          jaxmp_config=ocp.args.JsonSave(_config(target, fallback)),
       ),
       force=force,
   )
 
 
 def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
-                       check_config: bool = True) -> Any:
+                       check_config: bool = True, fallback: Any = None) -> Any:
   """Restores a checkpoint written by :func:`save_checkpoint` into ``target``.
 
   A plain orbax checkpoint (written by ``ocp.StandardCheckpointer``) has no
@@ -253,6 +270,15 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
       updated in place and returned.
     check_config: compare the saved loss-scale configuration and policy with
       the target's, and raise if they differ.
+    fallback: the :class:`jaxmp.PrecisionFallback` of the resumed run, for a
+      checkpoint saved with one. When the saved run had switched precision,
+      the target (built in the ladder's first policy, as at the start of the
+      run) is switched to the saved policy with
+      :func:`jaxmp.switch_precision` before the arrays are read (an NNX
+      target must then be ``(model, optimizer)``), and once the restore
+      succeeded the controller resumes the saved state (policy, rung,
+      switches). With a plain optax state, train on under
+      ``fallback.policy``.
 
   Returns:
     The restored state.
@@ -261,7 +287,10 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
     FileNotFoundError: if ``directory`` does not exist.
     ValueError: if ``check_config`` and the loss scale's configuration or the
       policy of ``target`` differ from the saved ones (or the checkpoint is a
-      plain orbax one, which has none); and, whatever ``check_config``, if
+      plain orbax one, which has none, or was saved with a
+      ``PrecisionFallback`` and none is given); if ``fallback`` is given and
+      the checkpoint holds no controller state or one of another ladder;
+      and, whatever ``check_config``, if
       the target holds a different kind of loss scale (e.g. a float32 run's
       ``NoOpLossScale`` restored into a ``mixed_float16`` target with a
       ``DynamicLossScale``), other arrays (another optimizer or model) or
@@ -285,6 +314,7 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
   ocp, checkpointer = _checkpointer()
   directory = pathlib.Path(os.path.abspath(os.fspath(directory)))
   nnx_target = _is_nnx_node(target)
+  fallback_state = None
   if nnx_target:
     from flax import nnx  # pylint: disable=g-import-not-at-top
 
@@ -292,6 +322,8 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
   else:
     items = target
   if _kind_of_checkpoint(directory) == "orbax":
+    if fallback is not None:
+      resume_target(target, None, fallback)  # raises: no controller state saved
     if check_config:
       raise ValueError(
           f"restore_checkpoint: {directory} is a plain orbax checkpoint (e.g. "
@@ -310,7 +342,30 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
     saved = checkpointer.restore(
         directory, args=ocp.args.Composite(jaxmp_config=ocp.args.JsonRestore())
     ).jaxmp_config
+    saved = dict(saved or {})
+    saved_fallback = saved.get(_FALLBACK)
+    if fallback is not None:
+      target, fallback_state = resume_target(target, saved_fallback, fallback)
+      if _is_nnx_node(target):
+        items = nnx.state(target)  # the switched optimizer state
+      else:
+        items = target
+    elif saved_fallback is not None and check_config:
+      raise ValueError(
+          "restore_checkpoint: the checkpoint was saved with a "
+          "jaxmp.PrecisionFallback, whose run is in the policy "
+          f"{saved.get('policy')} after {len(saved_fallback['events'])} "
+          "switch(es). Pass the run's controller: restore_checkpoint(..., "
+          "fallback=jaxmp.PrecisionFallback(ladder)), which switches the "
+          "target to that policy; or check_config=False to restore into the "
+          "target as it is."
+      )
+    else:
+      saved.pop(_FALLBACK, None)
     expected = _config(target)
+    if fallback is not None:
+      expected.setdefault("policy", str(fallback_state["policy"]))
+      expected[_FALLBACK] = saved_fallback
     saved_type = (saved or {}).get("loss_scale", {}).get("type")
     expected_type = expected["loss_scale"].get("type")
     if saved_type != expected_type:
@@ -341,6 +396,8 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
             jaxmp_config=ocp.args.JsonRestore(),
         ),
     ).state
+  if fallback_state is not None:
+    fallback.load_state_dict(fallback_state)
   if nnx_target:
     nnx.update(target, restored)
     return target
