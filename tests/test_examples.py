@@ -10,7 +10,6 @@ import pathlib
 import sys
 
 import jax
-import jax.extend as jex
 import numpy as np
 import pytest
 from flax import nnx
@@ -32,24 +31,11 @@ def load(name):
   return module
 
 
-def dot_input_dtypes(closed_jaxpr):
-  """The input dtypes of every dot_general and convolution, nested jaxprs too."""
-  # To become jaxmp's precision audit once it lands.
-  found = set()
-
-  def visit(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
-        found.update(np.dtype(v.aval.dtype).name for v in eqn.invars)
-      for param in eqn.params.values():
-        for sub in param if isinstance(param, (tuple, list)) else (param,):
-          if isinstance(sub, jex.core.ClosedJaxpr):
-            visit(sub.jaxpr)
-          elif isinstance(sub, jex.core.Jaxpr):
-            visit(sub)
-
-  visit(closed_jaxpr.jaxpr)
-  return found
+def matmul_dtypes(fn, *args):
+  """The input dtypes of every matmul and convolution of ``fn``, by the audit."""
+  report = jaxmp.precision_report(fn, *args)
+  assert report.ops, "the step has no matmul"
+  return {dtype for op in report.ops for dtype in op.inputs}
 
 
 def a_batch(n=32):
@@ -80,8 +66,7 @@ def test_quickstart(policy, compute, capsys):
   tx = module.make_optimizer(jaxmp.get_policy(policy))
   params = module.init_params(jax.random.key(0))
   step = module.make_train_step(jaxmp.get_policy(policy), tx)
-  jaxpr = jax.make_jaxpr(step)(params, tx.init(params), *a_batch())
-  assert dot_input_dtypes(jaxpr) == {compute}
+  assert matmul_dtypes(step, params, tx.init(params), *a_batch()) == {compute}
 
 
 @pytest.mark.parametrize("policy, compute", POLICIES)
@@ -92,8 +77,7 @@ def test_flax_linen(policy, compute, capsys):
   assert printed.startswith(
       f"Linen MLP on digits, policy {jaxmp.get_policy(policy)} (LayerNorm in float32)")
   check_summary(summary, 20, policy)
-  jaxpr = jax.make_jaxpr(module.train_step)(module.create_state(policy), *a_batch())
-  assert dot_input_dtypes(jaxpr) == {compute}
+  assert matmul_dtypes(module.train_step, module.create_state(policy), *a_batch()) == {compute}
 
 
 @pytest.mark.parametrize("policy, compute", POLICIES)
@@ -110,7 +94,7 @@ def test_flax_nnx(policy, compute, capsys):
     model, optimizer = nnx.merge(graphdef, state)
     return module.train_step(model, optimizer, x, y, jaxmp.get_policy(policy))
 
-  assert dot_input_dtypes(jax.make_jaxpr(step)(state, *a_batch())) == {compute}
+  assert matmul_dtypes(step, state, *a_batch()) == {compute}
 
 
 @pytest.mark.parametrize("policy, compute", POLICIES)
@@ -125,7 +109,6 @@ def test_equinox_mlp(policy, compute, capsys):
   model, tx, opt_state = module.create(jaxmp.get_policy(policy))
   step = module.make_train_step(jaxmp.get_policy(policy), tx)
   params, static = eqx.partition(model, eqx.is_array)
-  jaxpr = jax.make_jaxpr(lambda params, opt_state, x, y: eqx.filter(
-      step(eqx.combine(params, static), opt_state, x, y), eqx.is_array)
-  )(params, opt_state, *a_batch())
-  assert dot_input_dtypes(jaxpr) == {compute}
+  assert matmul_dtypes(lambda params, opt_state, x, y: eqx.filter(
+      step(eqx.combine(params, static), opt_state, x, y), eqx.is_array),
+      params, opt_state, *a_batch()) == {compute}
