@@ -182,7 +182,21 @@ def pytest_addoption(parser):
   )
 
 
+# Docstring examples that show code relying on standard promotion, with the
+# reason (a test's own opt-out is its standard_promotion marker).
+STANDARD_PROMOTION_DOCTESTS = {
+    "jaxmp._src.path_policy.PathPolicy.wrap_apply":
+        "a float32 layer fed by a bfloat16 one: Flax promotes the two",
+    "jaxmp._src.flax.train_state.TrainState":
+        "the loss subtracts the float16 target from the float32 output",
+}
+
+
 def pytest_collection_modifyitems(config, items):
+  for item in items:
+    reason = STANDARD_PROMOTION_DOCTESTS.get(item.name)
+    if reason is not None:
+      item.add_marker(pytest.mark.standard_promotion(reason=reason))
   # The integration tests run longest: starting them first keeps both xdist
   # workers busy to the end, instead of leaving one long module for last.
   items.sort(key=lambda item: item.get_closest_marker("integration") is None)
