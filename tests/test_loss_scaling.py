@@ -11,53 +11,12 @@ import optax
 import pytest
 
 import jaxmp
-
-
-def init_mlp(key, sizes=(4, 16, 3)):
-  keys = jax.random.split(key, len(sizes) - 1)
-  return {
-      f"layer{i}": {
-          "w": jax.random.normal(k, (a, b)) / np.sqrt(a),
-          "b": jnp.zeros(b),
-      }
-      for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:]))
-  }
-
-
-def mlp(params, x):
-  n = len(params)
-  for i in range(n):
-    layer = params[f"layer{i}"]
-    x = x @ layer["w"] + layer["b"]
-    if i < n - 1:
-      x = jnp.tanh(x)
-  return x
-
-
-def mse(params, batch, policy=jaxmp.get_policy("float32")):
-  pred = mlp(policy.cast_to_compute(params), policy.cast_to_compute(batch["x"]))
-  pred = policy.cast_to_output(pred)
-  return jnp.mean((pred - batch["y"]) ** 2)
-
-
-def make_batch(seed, n=8):
-  rng = np.random.default_rng(seed)
-  return {
-      "x": jnp.asarray(rng.normal(size=(n, 4)), jnp.float32),
-      "y": jnp.asarray(rng.normal(size=(n, 3)), jnp.float32),
-  }
+from models import init_mlp, make_batch, mlp, mse, poison
 
 
 def inner_optimizer():
   schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 5, 100)
   return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=1e-3))
-
-
-def poison(tree, value, leaf_index=0, flat_index=0):
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  leaf = leaves[leaf_index]
-  leaves[leaf_index] = leaf.reshape(-1).at[flat_index].set(value).reshape(leaf.shape)
-  return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 @jax.jit
