@@ -619,3 +619,21 @@ def select_tree(pred: Any, a: T, b: T) -> T:
           "the same dtypes, e.g. the new and the old value of the same state."
       )
   return optax.tree.where(pred, a, b)
+
+
+def agree_across(flag: jax.Array, axis_name: Any, unbound_error: str) -> jax.Array:
+  """A scalar bool ``flag`` made true only where it is true on every device.
+
+  Reduced with ``pmin`` over ``axis_name`` (inside ``shard_map`` or ``pmap``);
+  returned as is when ``axis_name`` is None.
+
+  Raises:
+    ValueError: with ``unbound_error`` when the axis name is not bound.
+  """
+  if axis_name is None:
+    return flag
+  try:
+    flag = jax.lax.pmin(flag.astype(jnp.int32), axis_name)
+  except NameError:
+    raise ValueError(unbound_error) from None
+  return flag.astype(jnp.bool_)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxmp._src.inplace_select import check_same_structure, update_or_keep
-from jaxmp._src.loss_scale import LossScale, NoOpLossScale, all_finite
+from jaxmp._src.loss_scale import LossScale, NoOpLossScale, agree_across, all_finite
 from jaxmp._src.recovery import check_recovery, computed_at
 from jaxmp._src.validation import check_bool, check_number
 
@@ -224,17 +224,12 @@ def wrap_with_loss_scaling(
       inner_updates, inner_state = inner.update(
           grads, state.inner_state, params, **extra_args)
       return inner_updates, state._replace(inner_state=inner_state)
-    if axis_name is not None:
-      try:
-        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name)
-      except NameError:
-        raise ValueError(
-            f"{owner}(axis_name={axis_name!r}): that axis name is "
-            "not bound where update runs. Call update inside jax.shard_map or "
-            "jax.pmap over that axis, or drop axis_name under plain jax.jit, "
-            "where the finiteness check over sharded arrays is already global."
-        ) from None
-      finite = finite.astype(jnp.bool_)
+    finite = agree_across(
+        finite, axis_name,
+        f"{owner}(axis_name={axis_name!r}): that axis name is "
+        "not bound where update runs. Call update inside jax.shard_map or "
+        "jax.pmap over that axis, or drop axis_name under plain jax.jit, "
+        "where the finiteness check over sharded arrays is already global.")
     # The old inner state is selected where each new leaf is produced, so that
     # XLA writes it once, in place (see inplace_select.py).
     inner_updates, inner_state = update_or_keep(

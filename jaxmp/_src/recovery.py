@@ -22,7 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src.hardware import hardware_report
-from jaxmp._src.loss_scale import LossScale, NoOpLossScale, StaticLossScale, all_finite
+from jaxmp._src.loss_scale import (
+    LossScale,
+    NoOpLossScale,
+    StaticLossScale,
+    agree_across,
+    all_finite,
+)
 from jaxmp._src.policy import Policy, get_policy
 from jaxmp._src.validation import check_number
 
@@ -184,18 +190,12 @@ def fallback_policy(recover: Recover, caller: str) -> Policy | None:
 
 def agreed_finite(grads: Any, axis_name: Any, caller: str) -> jax.Array:
   """``all_finite(grads)``, reduced with ``pmin`` over ``axis_name`` if given."""
-  finite = all_finite(grads)
-  if axis_name is None:
-    return finite
-  try:
-    finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name)
-  except NameError:
-    raise ValueError(
-        f"{caller}(recover=jaxmp.Recover(axis_name={axis_name!r})): that axis "
-        "name is not bound here. Call it inside jax.shard_map or jax.pmap over "
-        "that axis, or drop axis_name under plain jax.jit, where the check over "
-        "sharded arrays is already global.") from None
-  return finite.astype(jnp.bool_)
+  return agree_across(
+      all_finite(grads), axis_name,
+      f"{caller}(recover=jaxmp.Recover(axis_name={axis_name!r})): that axis "
+      "name is not bound here. Call it inside jax.shard_map or jax.pmap over "
+      "that axis, or drop axis_name under plain jax.jit, where the check over "
+      "sharded arrays is already global.")
 
 
 def _cast_like(tree: Any, like: Any) -> Any:
