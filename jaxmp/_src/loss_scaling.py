@@ -199,6 +199,7 @@ def wrap_with_loss_scaling(
           f"{type(state).__name__}, not the LossScalingState its init "
           "returned. Pass the state returned by tx.init(params)."
       )
+    _refuse_fp8_meta(updates, owner)
     if params is not None:
       check_same_structure(
           updates, params, owner=f"{owner}'s update",
@@ -257,6 +258,25 @@ def wrap_with_loss_scaling(
     return updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# Flax keeps the FP8 meta (scales, amax histories) in this collection; its
+# "gradients" are the new values, which must not be unscaled nor optimized.
+_FP8_META = "_overwrite_with_gradient"
+
+
+def _refuse_fp8_meta(updates: Any, owner: str) -> None:
+  """Refuses gradients that hold Flax's FP8 meta collection."""
+  if isinstance(updates, dict) and _FP8_META in updates:
+    raise ValueError(
+        f"{owner}'s update: the gradients hold Flax's FP8 meta collection "
+        f"{_FP8_META!r}, whose values are the new scales and amax histories, "
+        "not gradients: the unscale would divide them by the loss scale and "
+        "the optimizer would update them. Use jaxmp.flax.TrainState, whose "
+        "apply_gradients keeps the meta out of the optimizer and guards it; "
+        "or pass only grads['params'] to update and keep the meta with "
+        "jaxmp.select_tree(jaxmp.loss_scaling_metrics(opt_state)"
+        "['last_finite'], new_meta, old_meta).")
 
 
 # The check, and the clipping that shares its reduction.

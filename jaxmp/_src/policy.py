@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src.hardware import recommended_preset
+from jaxmp._src.validation import check_number
 
 T = TypeVar("T")
 
@@ -70,14 +71,23 @@ PRESETS = {
     "mixed_bfloat16": "p=f32,c=bf16,o=f32",
     "mixed_float16": "p=f32,c=f16,o=f32",
     "float32": "p=f32,c=f32,o=f32",
+    "mixed_fp8": "p=f32,c=bf16,o=f32,dot=fp8",
 }
 VALID_PRESETS = (*PRESETS, "auto")
+
+# The FP8 part of the grammar: ``dot=fp8`` runs the matmuls of the Linen
+# Dense/DenseGeneral layers in FP8 (an :class:`Fp8Policy`), and
+# ``amax_history=N`` sets the length of its amax histories.
+_FP8_KEYS = ("dot", "amax_history")
+_FP8_DOT_NAMES = ("fp8", "f8")
+DEFAULT_AMAX_HISTORY_LENGTH = 1024  # Flax's default
 
 _DTYPE_HELP = f"Valid dtype names are: {', '.join(VALID_DTYPE_NAMES)}."
 # Appended to every error about a policy string: what each part may be.
 _GRAMMAR_HELP = (
     f"Valid keys are {', '.join(VALID_KEYS)}. {_DTYPE_HELP} Presets are "
-    f"{', '.join(VALID_PRESETS)}. E.g. 'p=f32,c=bf16,o=f32'."
+    f"{', '.join(VALID_PRESETS)}. E.g. 'p=f32,c=bf16,o=f32'; add ',dot=fp8' "
+    "(and optionally ',amax_history=N') for FP8 matmuls."
 )
 
 
@@ -331,6 +341,48 @@ def apply_policy_override(policy: "Policy") -> Iterator[None]:
     _APPLY_POLICY_OVERRIDE.reset(token)
 
 
+# Collections that every wrapped apply function adds to its variables (the FP8
+# meta, while jaxmp.flax.TrainState.value_and_grad traces the loss), with a
+# record of whether one used them; None otherwise.
+_PROVIDED_COLLECTIONS: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "jaxmp_provided_collections", default=None)
+
+
+@contextlib.contextmanager
+def providing_collections(collections: Mapping[str, Any]) -> Iterator[list[bool]]:
+  """Within the block, every ``wrap_apply`` function receives ``collections``.
+
+  Each is added to the ``variables`` of the call (a Mapping), which must not
+  hold it already. Yields a list that holds ``True`` once a wrapped apply
+  function has received them, so that the caller can tell a loss function
+  that never called one.
+  """
+  used: list[bool] = []
+  token = _PROVIDED_COLLECTIONS.set((dict(collections), used))
+  try:
+    yield used
+  finally:
+    _PROVIDED_COLLECTIONS.reset(token)
+
+
+def _with_provided_collections(args: tuple[Any, ...]) -> tuple[Any, ...]:
+  """``args`` with the provided collections added to ``args[0]`` (variables)."""
+  provided = _PROVIDED_COLLECTIONS.get()
+  if provided is None or not args or not isinstance(args[0], Mapping):
+    return args
+  collections, used = provided
+  variables = args[0]
+  given = sorted(set(collections) & set(variables))
+  if given:
+    raise ValueError(
+        f"The variables passed to state.apply_fn already hold {given[0]!r}, "
+        "which state.value_and_grad provides itself (the FP8 meta of the "
+        "state, differentiated to get its new values). Call "
+        "state.apply_fn({'params': params}, ...) inside the loss function.")
+  used.append(True)
+  return ({**variables, **collections}, *args[1:])
+
+
 class WrappedApply:
   """What ``wrap_apply`` returns: ``run(policy, apply_fn, *args, **kwargs)``.
 
@@ -345,6 +397,7 @@ class WrappedApply:
     functools.update_wrapper(self, apply_fn, updated=())
 
   def __call__(self, *args, **kwargs):
+    args = _with_provided_collections(args)
     override = _APPLY_POLICY_OVERRIDE.get()
     if override is not None:  # a recovery fallback is being traced
       return _apply_under(override, self.apply_fn, *args, **kwargs)
@@ -423,6 +476,7 @@ class Policy:
       object.__setattr__(
           self, field, parse_dtype(getattr(self, field), "Policy", field)
       )
+    _refuse_float8(self)
 
   def cast_to_param(self, tree: T) -> T:
     """Casts the floating leaves of ``tree`` to ``param_dtype``.
@@ -514,9 +568,13 @@ class Policy:
 
   @property
   def needs_loss_scaling(self) -> bool:
-    """True when the compute dtype is float16 or a float8 type."""
-    compute = np.dtype(self.compute_dtype)
-    return compute == np.dtype(jnp.float16) or compute.itemsize == 1
+    """True when the compute dtype is float16.
+
+    (A float8 compute dtype is refused; an :class:`Fp8Policy` needs loss
+    scaling when its base compute dtype is float16: its FP8 matmuls scale
+    each tensor themselves.)
+    """
+    return np.dtype(self.compute_dtype) == np.dtype(jnp.float16)
 
   def __str__(self) -> str:
     return "p={},c={},o={}".format(
@@ -524,6 +582,101 @@ class Policy:
         short_name(self.compute_dtype),
         short_name(self.output_dtype),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Policy(Policy):
+  """A policy whose Linen ``Dense``/``DenseGeneral`` matmuls run in FP8.
+
+  What ``get_policy("mixed_fp8")`` (``"p=f32,c=bf16,o=f32,dot=fp8"``)
+  returns. The three dtypes are those of the base policy: the master params
+  stay in ``param_dtype`` (float32), everything but the chosen matmuls runs in
+  ``compute_dtype`` (bfloat16), and outputs are cast to ``output_dtype``. The
+  matmul of each ``nn.Dense`` and ``nn.DenseGeneral`` that runs under this
+  policy is Flax's ``fp8_ops.Fp8DirectDotGeneralOp``: its inputs and kernel
+  are cast to float8 E4M3 and its output gradient to float8 E5M2, each with a
+  float32 scale per tensor computed from a history of the tensor's absolute
+  maximum (delayed scaling). That meta state lives in the Flax collection
+  ``"_overwrite_with_gradient"``; :class:`jaxmp.flax.TrainState` keeps it in
+  its ``fp8_meta`` field, out of the optimizer, and guards it like the
+  params (see the FP8 guide).
+
+  The FP8 matmuls are injected into the Linen modules by
+  :class:`jaxmp.flax.ModulePolicy` (a rule or the default may be an
+  ``Fp8Policy``) and by :meth:`jaxmp.flax.TrainState.create`, which applies
+  an ``Fp8Policy`` through a ``ModulePolicy`` for you; its own
+  :meth:`wrap_apply` refuses, since it cannot reach inside the modules.
+  ``needs_loss_scaling`` is that of the base policy: the FP8 matmuls scale
+  each tensor themselves, so a bfloat16 base needs no loss scale (a float16
+  base does).
+
+  Attributes:
+    amax_history_length: the length of each amax history (keyword-only;
+      Flax's default, 1024). In the policy string, ``amax_history=N``.
+
+  Raises:
+    ValueError: for a float8 dtype among the three (the FP8 matmuls choose
+      their float8 types themselves), or a history length below 1.
+    TypeError: for a history length that is not an integer.
+
+  Example:
+    >>> import jaxmp
+    >>> policy = jaxmp.get_policy("mixed_fp8")
+    >>> type(policy).__name__, str(policy), policy.amax_history_length
+    ('Fp8Policy', 'p=f32,c=bf16,o=f32,dot=fp8', 1024)
+    >>> str(jaxmp.get_policy("mixed_fp8").base), policy.needs_loss_scaling
+    ('p=f32,c=bf16,o=f32', False)
+    >>> str(jaxmp.Fp8Policy("f32", "bf16", "f32", amax_history_length=16))
+    'p=f32,c=bf16,o=f32,dot=fp8,amax_history=16'
+  """
+
+  amax_history_length: int = dataclasses.field(
+      default=DEFAULT_AMAX_HISTORY_LENGTH, kw_only=True)
+
+  def __post_init__(self):
+    super().__post_init__()
+    object.__setattr__(self, "amax_history_length", check_number(
+        "Fp8Policy", "amax_history_length", self.amax_history_length,
+        integer=True, minimum=1,
+        advice=f"Flax's default is {DEFAULT_AMAX_HISTORY_LENGTH}; short "
+        "histories (16) react faster to a changing range."))
+
+  @property
+  def base(self) -> Policy:
+    """The same dtypes without FP8 matmuls: a plain :class:`Policy`."""
+    return Policy(self.param_dtype, self.compute_dtype, self.output_dtype)
+
+  def wrap_apply(self, apply_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Refuses: the FP8 matmuls are injected by a module policy.
+
+    Raises:
+      ValueError: always; the message names
+        ``jaxmp.flax.ModulePolicy({}, default=policy).wrap_apply(...)``.
+    """
+    raise ValueError(
+        f"{self}: the FP8 matmuls are injected into the Linen Dense and "
+        "DenseGeneral modules by a module interceptor, which a plain policy "
+        "cannot install. Use jaxmp.flax.ModulePolicy({}, default=policy)"
+        ".wrap_apply(model.apply) (and .wrap_apply(model.init) to create the "
+        "FP8 meta), or jaxmp.flax.TrainState.create(..., policy=policy), "
+        "which does it for you.")
+
+  def for_autocast(self) -> tuple[Policy, None]:
+    """Refuses: :func:`jaxmp.autocast` cannot run FP8 matmuls.
+
+    Raises:
+      ValueError: always.
+    """
+    raise ValueError(
+        f"{self}: jaxmp.autocast casts each operation to a dtype, and FP8 "
+        "matmuls need per-tensor scales that only the FP8 modules keep. Train "
+        "FP8 without autocast (TrainState.create(..., autocast=False)).")
+
+  def __str__(self) -> str:
+    text = super().__str__() + ",dot=fp8"
+    if self.amax_history_length != DEFAULT_AMAX_HISTORY_LENGTH:
+      text += f",amax_history={self.amax_history_length}"
+    return text
 
 
 def get_policy(spec: Any) -> Policy:
@@ -541,15 +694,20 @@ def get_policy(spec: Any) -> Policy:
         for all three. Note that ``"bf16"`` and ``"fp16"`` keep the params in
         16 bits too (this warns once when the params are cast): mixed
         precision is ``"mixed_bfloat16"`` / ``"mixed_float16"``.
-      * a preset: ``"mixed_bfloat16"``, ``"mixed_float16"``, ``"float32"`` or
-        ``"auto"`` (:func:`jaxmp.auto_policy`).
+      * a preset: ``"mixed_bfloat16"``, ``"mixed_float16"``, ``"float32"``,
+        ``"mixed_fp8"`` or ``"auto"`` (:func:`jaxmp.auto_policy`).
+      * FP8 matmuls: ``",dot=fp8"`` after the dtypes (``"mixed_fp8"`` is
+        ``"p=f32,c=bf16,o=f32,dot=fp8"``), optionally with
+        ``",amax_history=N"``, gives an :class:`jaxmp.Fp8Policy`. A float8
+        dtype for params, compute or output is refused: it would cast without
+        scaling.
 
   Returns:
-    The policy.
+    The policy (an :class:`jaxmp.Fp8Policy` with ``dot=fp8``).
 
   Raises:
     ValueError: naming the offending part and listing the valid keys, dtype
-      names and presets.
+      names and presets; for a float8 dtype, pointing to ``"mixed_fp8"``.
     TypeError: if ``spec`` is neither a policy nor a string.
 
   Example:
@@ -583,9 +741,12 @@ def get_policy(spec: Any) -> Policy:
               text, [*VALID_PRESETS, *VALID_DTYPE_NAMES], _GRAMMAR_HELP)
       )
     dtype = parse_dtype(text)
+    if np.dtype(dtype).itemsize == 1:
+      raise ValueError(_float8_refusal("compute_dtype", dtype, spec))
     return Policy(dtype, dtype, dtype)
 
   values: dict[str, Any] = {}
+  fp8: dict[str, Any] = {}
   for part in text.split(","):
     part = part.strip()
     if "=" not in part:
@@ -594,10 +755,13 @@ def get_policy(spec: Any) -> Policy:
           f"{_GRAMMAR_HELP}"
       )
     key, value = (s.strip() for s in part.split("=", 1))
+    if key in _FP8_KEYS:
+      _parse_fp8_part(spec, key, value, fp8)
+      continue
     if key not in _KEYS:
       raise ValueError(
           f"Unknown key {key!r} in policy {spec!r}."
-          f"{_did_you_mean(key, VALID_KEYS)} {_GRAMMAR_HELP}"
+          f"{_did_you_mean(key, (*VALID_KEYS, *_FP8_KEYS))} {_GRAMMAR_HELP}"
       )
     field = _KEYS[key]
     if field in values:
@@ -618,10 +782,74 @@ def get_policy(spec: Any) -> Policy:
           + _unknown_dtype(value, VALID_DTYPE_NAMES, _GRAMMAR_HELP)
       )
     values[field] = parse_dtype(value)
+    if np.dtype(values[field]).itemsize == 1:
+      raise ValueError(_float8_refusal(field, values[field], spec))
   param = values.get("param_dtype", jnp.float32)
   compute = values.get("compute_dtype", param)
   output = values.get("output_dtype", compute)
+  if "amax_history" in fp8 and "dot" not in fp8:
+    raise ValueError(
+        f"Policy {spec!r} sets amax_history without dot=fp8: the amax "
+        "histories belong to the FP8 matmuls. Add ',dot=fp8' (or use the "
+        "preset 'mixed_fp8').")
+  if "dot" in fp8:
+    return Fp8Policy(param, compute, output, amax_history_length=fp8.get(
+        "amax_history", DEFAULT_AMAX_HISTORY_LENGTH))
   return Policy(param, compute, output)
+
+
+def _parse_fp8_part(spec: str, key: str, value: str, fp8: dict[str, Any]) -> None:
+  """Parses ``dot=fp8`` or ``amax_history=N`` of policy ``spec`` into ``fp8``."""
+  if key in fp8:
+    raise ValueError(
+        f"Key {key!r} in policy {spec!r} is given a second time; give it at "
+        "most once.")
+  if key == "dot":
+    if value not in _FP8_DOT_NAMES:
+      raise ValueError(
+          f"In policy {spec!r}, key 'dot': {value!r} is not a matmul format. "
+          "The only one is 'fp8' (E4M3 inputs, E5M2 gradients, delayed "
+          "scaling): 'dot=fp8'. Leave 'dot' out to run the matmuls in the "
+          "compute dtype.")
+    fp8[key] = True
+    return
+  try:
+    length = int(value)
+  except ValueError:
+    length = 0
+  if length < 1 or str(length) != value:
+    raise ValueError(
+        f"In policy {spec!r}, key 'amax_history': {value!r} is not a whole "
+        "number >= 1. Give the length of the amax histories of the FP8 "
+        f"matmuls, e.g. 'amax_history=16' (Flax's default is "
+        f"{DEFAULT_AMAX_HISTORY_LENGTH}).")
+  fp8[key] = length
+
+
+def _float8_refusal(field: str, dtype: Any, spec: Any) -> str:
+  """The message that refuses a float8 dtype as a policy's ``field``."""
+  where = f"In policy {spec!r}: " if spec is not None else "Policy: "
+  role = {"param_dtype": "the parameters (the master copy)",
+          "compute_dtype": "every activation and matmul input",
+          "output_dtype": "the outputs"}[field]
+  return (
+      f"{where}{field}={np.dtype(dtype).name} would cast {role} to float8 "
+      "with no per-tensor scaling, which cannot train (float8 has 2 or 3 "
+      "mantissa bits and a narrow range). FP8 training scales each matmul's "
+      "inputs and gradients per tensor instead: use the policy 'mixed_fp8' "
+      "(= 'p=f32,c=bf16,o=f32,dot=fp8'), which runs the Dense and "
+      "DenseGeneral matmuls in FP8 with delayed scaling, everything else in "
+      "bfloat16 and keeps float32 params; apply it with "
+      "jaxmp.flax.TrainState.create(policy='mixed_fp8') or "
+      "jaxmp.flax.ModulePolicy (see the FP8 guide).")
+
+
+def _refuse_float8(policy: Policy) -> None:
+  """Refuses a policy with a float8 dtype: it would cast without scaling."""
+  for field in ("param_dtype", "compute_dtype", "output_dtype"):
+    dtype = getattr(policy, field)
+    if np.dtype(dtype).itemsize == 1:
+      raise ValueError(_float8_refusal(field, dtype, None))
 
 
 def _is_jmp_policy(spec: Any) -> bool:

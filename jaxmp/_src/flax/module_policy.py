@@ -22,6 +22,7 @@ import numpy as np
 from flax import struct
 from flax.core import meta
 
+from jaxmp._src.flax.fp8 import fp8_dot_general_cls, uses_fp8
 from jaxmp._src.policy import (
   Policy,
   WrappedApply,
@@ -170,6 +171,16 @@ class ModulePolicy(RuleTablePolicy):
   so the master params stay as they are stored). A tuple of classes limits
   the override to their instances. ``ModulePolicy({}, default="mixed_float16",
   override_dtype=True)`` is then "mixed_float16 for the whole model".
+
+  **FP8**: a rule's policy, or the default, may be an :class:`jaxmp.Fp8Policy`
+  (``"mixed_fp8"``). Each ``nn.Dense`` and ``nn.DenseGeneral`` running under
+  it then calls Flax's ``fp8_ops.Fp8DirectDotGeneralOp`` (set as its
+  ``dot_general_cls`` while it runs), whose scales and amax histories live in
+  the collection ``"_overwrite_with_gradient"``; wrap ``model.init`` too
+  (``policy.wrap_apply(model.init)``) to create them. Other modules run in the
+  base compute dtype; an ``nn.Einsum`` under an FP8 policy is refused (Flax
+  gives it no hook), and so is a Dense layer with its own ``dot_general``.
+  NNX models get no FP8 (``set_nnx_dtypes`` refuses).
 
   **NNX** (:meth:`set_nnx_dtypes`): each module that has a ``dtype`` attribute
   (``nnx.Linear``, ``nnx.Conv``, ``nnx.LayerNorm``, ``nnx.BatchNorm``,
@@ -323,6 +334,10 @@ class ModulePolicy(RuleTablePolicy):
       # Linen modules are frozen dataclasses; the bound module is a clone
       # made for this call, and its declared dtype is restored below.
       object.__setattr__(module, "dtype", policy.compute_dtype)
+    # Under an FP8 policy a Dense layer calls Flax's FP8 op (docs/fp8.md).
+    fp8_cls = fp8_dot_general_cls(module, policy)
+    if fp8_cls is not None:
+      object.__setattr__(module, "dot_general_cls", fp8_cls)
     stack.append(policy)
     try:
       if policy is None or context.method_name == "setup":
@@ -337,6 +352,8 @@ class ModulePolicy(RuleTablePolicy):
       stack.pop()
       if override:
         object.__setattr__(module, "dtype", declared)
+      if fp8_cls is not None:
+        object.__setattr__(module, "dot_general_cls", None)
     if own is not None or outermost:
       out = policy.cast_to_output(out)
     return out
@@ -429,6 +446,12 @@ class ModulePolicy(RuleTablePolicy):
           "set_nnx_dtypes expects an nnx.Module; for a Linen model use "
           f"wrap_apply(model.apply). Got {type(model).__name__}."
       )
+    if uses_fp8([self.default, *(p for _, p in self.rules)]):
+      raise ValueError(
+          "set_nnx_dtypes: the policy has FP8 matmuls (dot=fp8), which jaxmp "
+          "injects into Linen modules only: Flax has no FP8 op for NNX layers. "
+          "Use a policy without dot=fp8 for NNX models (e.g. "
+          "'mixed_bfloat16'), or a Linen model.")
     modules = sorted(nnx.iter_modules(model), key=lambda item: len(item[0]))
     effective: dict[tuple[Any, ...], Policy | None] = {}
     matched_by: dict[Any, list[tuple[Any, ...]]] = {k: [] for k, _ in self.rules}

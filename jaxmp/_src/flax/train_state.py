@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 import jax
@@ -14,6 +14,14 @@ from flax.training import train_state
 
 from jaxmp._src.autocast import autocast
 from jaxmp._src.default_loss_scale import as_policy, default_loss_scale
+from jaxmp._src.flax.fp8 import (
+  FP8_META,
+  in_step_units,
+  meta_is_finite,
+  split_fp8_grads,
+  uses_fp8,
+)
+from jaxmp._src.flax.module_policy import ModulePolicy
 from jaxmp._src.inplace_select import check_same_structure
 from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.loss_scaling import (
@@ -23,7 +31,7 @@ from jaxmp._src.loss_scaling import (
   loss_scaling_metrics,
 )
 from jaxmp._src.precision_audit import warn_on_first_trace
-from jaxmp._src.policy import apply_policy_override
+from jaxmp._src.policy import Fp8Policy, apply_policy_override, providing_collections
 from jaxmp._src.recovery import Recover, check_recover, fallback_policy
 from jaxmp._src.validation import check_bool
 from jaxmp._src.value_and_grad import scale_then_differentiate
@@ -54,10 +62,21 @@ class TrainState(train_state.TrainState):
   the step count of ``optax.adam`` or of a learning-rate schedule) are part of
   the inner state and do not advance on skipped steps.
 
+  **FP8.** Under a policy with FP8 matmuls (``"mixed_fp8"``, see
+  :class:`jaxmp.Fp8Policy`), the scales and amax histories of Flax's FP8 ops
+  live in the field ``fp8_meta``, not among the params: the optimizer never
+  sees them. :meth:`value_and_grad` provides them to ``state.apply_fn`` and
+  returns their new values with the gradients, and :meth:`apply_gradients`
+  writes them on finite steps and keeps them bit-identical on skipped ones
+  (see the FP8 guide).
+
   Attributes:
     policy: the :class:`jaxmp.Policy` (or :class:`jaxmp.PathPolicy`, or
       :class:`jaxmp.flax.ModulePolicy`); static, not a pytree leaf, and
       keyword-only, so that subclass fields need no default.
+    fp8_meta: the FP8 meta (Flax's ``"_overwrite_with_gradient"``
+      collection), its output-gradient part in unscaled units; ``None``
+      without FP8 matmuls.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxmp
@@ -78,6 +97,7 @@ class TrainState(train_state.TrainState):
 
   policy: Any = struct.field(pytree_node=False, default=None, kw_only=True)
   autocast: bool = struct.field(pytree_node=False, default=False, kw_only=True)
+  fp8_meta: Any = struct.field(default=None, kw_only=True)
 
   @classmethod
   def create(
@@ -92,6 +112,7 @@ class TrainState(train_state.TrainState):
       autocast: bool = False,
       clip_global_norm: float | None = None,
       guard: bool = True,
+      fp8_meta: Any = None,
       **kwargs,
   ) -> "TrainState":
     """Creates a state with ``step=0``; wraps ``tx`` with loss scaling.
@@ -109,7 +130,9 @@ class TrainState(train_state.TrainState):
       policy: anything :func:`jaxmp.get_policy` takes (``"mixed_float16"``,
         ``"p=f32,c=bf16,o=f32"``, a :class:`jaxmp.Policy`), a
         :class:`jaxmp.PathPolicy` or a :class:`jaxmp.flax.ModulePolicy`.
-        Default ``"float32"``.
+        Default ``"float32"``. An :class:`jaxmp.Fp8Policy`
+        (``"mixed_fp8"``) is applied as ``jaxmp.flax.ModulePolicy({},
+        default=policy)``.
       loss_scale: the initial loss scale. Default:
         :func:`jaxmp.default_loss_scale` of the policy, that is
         ``jaxmp.DynamicLossScale()`` when the policy computes in float16 (or
@@ -132,6 +155,11 @@ class TrainState(train_state.TrainState):
         passed to :func:`jaxmp.loss_scaling`. ``guard=False`` needs a
         :class:`jaxmp.NoOpLossScale` (the default under bfloat16 and
         float32): the check then costs nothing, and a nan step is applied.
+      fp8_meta: with FP8 matmuls, the initial FP8 meta:
+        ``variables["_overwrite_with_gradient"]`` of
+        ``policy.wrap_apply(model.init)(...)`` (or of a model that uses
+        Flax's ``fp8_ops`` itself). Required when the policy has FP8
+        matmuls.
       **kwargs: further fields of a subclass (``batch_stats=...``), as in
         Flax.
 
@@ -143,9 +171,14 @@ class TrainState(train_state.TrainState):
         is not a loss scale.
       ValueError: if ``tx`` is already wrapped with :func:`jaxmp.loss_scaling`,
         or a rule-based ``policy`` has no default (the inputs and the loss
-        need one).
+        need one); if the policy has FP8 matmuls and no ``fp8_meta`` is
+        given, or ``autocast`` is asked for; if ``params`` holds the FP8
+        meta collection.
     """
     policy = as_policy(policy)
+    if isinstance(policy, Fp8Policy):
+      policy = ModulePolicy({}, default=policy)
+    _check_fp8_arguments(policy, params, fp8_meta, autocast)
     policy.io_policy  # pylint: disable=pointless-statement  # raises without a default
     if check_bool("TrainState.create", "autocast", autocast):
       policy, _ = policy.for_autocast()
@@ -181,6 +214,7 @@ class TrainState(train_state.TrainState):
         opt_state=tx.init(params),
         policy=policy,
         autocast=autocast,
+        fp8_meta=fp8_meta,
         **kwargs,
     )
 
@@ -203,9 +237,16 @@ class TrainState(train_state.TrainState):
     not retrace), and one of another structure or shape is refused. Static
     fields (``struct.field(pytree_node=False)``) are replaced as given.
 
+    With FP8 matmuls, ``grads`` is what :meth:`value_and_grad` returns,
+    ``{"params": param_grads, "_overwrite_with_gradient": new_meta}`` (Flax's
+    layout): only ``param_grads`` go through the loss-scaling optimizer (the
+    unscale, the check, the inner optimizer); the new FP8 meta replaces
+    ``fp8_meta`` on a finite step and is dropped on a skipped one, like any
+    field. A new meta that is not finite makes the step non-finite.
+
     Args:
       grads: the gradients of the scaled loss, with the structure of
-        ``params``.
+        ``params`` (with FP8 matmuls, with the new FP8 meta beside them).
       recovery: the :class:`jaxmp.RecoveryInfo` that
         ``value_and_grad(loss_fn, recover=...)`` returned with ``grads``
         (not a field: it is passed on to the optimizer, which unscales by the
@@ -218,7 +259,8 @@ class TrainState(train_state.TrainState):
     Raises:
       TypeError: if a name in ``kwargs`` is not a field of the state.
       ValueError: if a new field value differs from the current one in
-        structure or shapes.
+        structure or shapes; if the state has FP8 meta and ``grads`` brings
+        none (or the other way round).
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
@@ -243,6 +285,16 @@ class TrainState(train_state.TrainState):
             f"{name}: Any) and give its first value to create(..., "
             f"{name}=...)."
         )
+    fp8 = self._split_fp8(grads, kwargs)
+    if fp8 is not None:
+      grads, new_meta = fp8
+      # Flax's ops saturate an inf output gradient to the FP8 maximum, so the
+      # weight gradients may look finite while the new amax is not: a
+      # non-finite new meta makes the step non-finite too.
+      meta_finite = meta_is_finite(new_meta)
+      grads = jax.tree_util.tree_map(
+          lambda g: jnp.where(meta_finite, g, jnp.asarray(jnp.nan, g.dtype)), grads)
+      kwargs = {**kwargs, "fp8_meta": new_meta}
     if recovery is None:
       new_state = super().apply_gradients(grads=grads)
     else:
@@ -263,6 +315,27 @@ class TrainState(train_state.TrainState):
             finite, value, getattr(self, name), f"{type(self).__name__}."
             f"apply_gradients({name}=...)")
     return new_state.replace(**written)
+
+  def _split_fp8(self, grads: Any, kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
+    """``(param_grads, new_meta)`` when ``grads`` brings FP8 meta, else None."""
+    split = split_fp8_grads(grads)
+    owner = f"{type(self).__name__}.apply_gradients"
+    if split is not None and self.fp8_meta is None:
+      raise ValueError(
+          f"{owner}: the gradients hold FP8 meta ({FP8_META!r}) but the state "
+          "has none. Give the initial meta to create: TrainState.create(..., "
+          f"fp8_meta=variables[{FP8_META!r}]).")
+    if split is None and self.fp8_meta is not None and "fp8_meta" not in kwargs:
+      raise ValueError(
+          f"{owner}: the state has FP8 meta but the gradients bring no new "
+          f"meta, so the FP8 scales would never move. Take the gradients "
+          "from state.value_and_grad(loss_fn), which returns {'params': "
+          f"grads, {FP8_META!r}: new_meta}}.")
+    if split is not None and "fp8_meta" in kwargs:
+      raise ValueError(
+          f"{owner}: the new FP8 meta is given twice, in the gradients and as "
+          "fp8_meta=...; pass the gradients from state.value_and_grad alone.")
+    return split
 
   @property
   def loss_scale(self) -> LossScale:
@@ -308,13 +381,22 @@ class TrainState(train_state.TrainState):
         called as ``loss_fn`` is. Pass the returned ``recovery`` on:
         ``state.apply_gradients(grads=grads, recovery=recovery)``.
 
+    With FP8 meta (``state.fp8_meta``), each ``state.apply_fn`` call inside
+    ``loss_fn`` receives the meta (call it with ``{"params": params}``), with
+    its output-gradient part multiplied by the loss scale for the step; the
+    meta is differentiated too, and ``grads`` is
+    ``{"params": param_grads, "_overwrite_with_gradient": new_meta}``, the new
+    meta back in unscaled units.
+
     Returns:
       The function described above; with ``recover``, it returns
       ``(loss, grads, recovery)``.
 
     Raises:
       ValueError: if the state has no policy, or the fallback policy computes
-        in bfloat16 where :func:`jaxmp.hardware_report` says it is not native.
+        in bfloat16 where :func:`jaxmp.hardware_report` says it is not native;
+        with FP8 meta, if ``recover`` is given, or (when traced) ``loss_fn``
+        never calls ``state.apply_fn``.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
@@ -354,6 +436,14 @@ class TrainState(train_state.TrainState):
         return io_policy.cast_to_output(cast_loss(params, *args, **kwargs))
 
 
+    if self.fp8_meta is not None:
+      if recover is not None:
+        raise ValueError(
+            "TrainState.value_and_grad(recover=...) is not supported with FP8 "
+            "meta: a retry at a backed-off scale would need the meta in that "
+            "scale's units. Leave recover out; a skipped step keeps the meta.")
+      return _fp8_value_and_grad(self, run, loss_fn, has_aux, io_policy)
+
     fallback_fun = None
     if recover is not None:
       recover = check_recover(recover, "TrainState.value_and_grad")
@@ -377,6 +467,70 @@ class TrainState(train_state.TrainState):
     return warn_on_first_trace(
         grad_fn, run, compute_dtype=io_policy.compute_dtype,
         caller="TrainState.value_and_grad", names_from=loss_fn)
+
+
+def _fp8_value_and_grad(self, run, loss_fn, has_aux, io_policy):
+  """:meth:`TrainState.value_and_grad` with the FP8 meta differentiated too.
+
+  ``run(params, *args, **kwargs)`` is the policy's loss. The meta is
+  provided to every ``state.apply_fn`` call inside it, in the step's units
+  (:func:`in_step_units`), and its new values are the meta's cotangents.
+  """
+  loss_scale = self.loss_scale
+  meta = self.fp8_meta
+
+  def run_with_meta(params_and_meta, *args, **kwargs):
+    params, step_meta = params_and_meta
+    with providing_collections({FP8_META: in_step_units(
+        step_meta, loss_scale.loss_scale)}) as used:
+      out = run(params, *args, **kwargs)
+    if not used:
+      raise ValueError(
+          "TrainState.value_and_grad: the state has FP8 meta, but the loss "
+          "function never called state.apply_fn, so the meta would get no "
+          "new values. Call state.apply_fn({'params': params}, ...) (not "
+          "model.apply) in the loss function.")
+    return out
+
+  grad_fn = scale_then_differentiate(
+      jax.value_and_grad, run_with_meta, loss_scale, argnums=0,
+      has_aux=has_aux, caller="TrainState.value_and_grad",
+      state_hint="It reads the state's own loss scale.")
+
+  def fp8_grad_fn(params, *args, **kwargs):
+    out, (grads, new_meta) = grad_fn((params, meta), *args, **kwargs)
+    return out, {"params": grads, FP8_META: new_meta}
+
+  return warn_on_first_trace(
+      fp8_grad_fn, lambda params, *a, **k: run_with_meta((params, meta), *a, **k),
+      compute_dtype=io_policy.compute_dtype, caller="TrainState.value_and_grad",
+      names_from=loss_fn)
+
+
+def _check_fp8_arguments(policy: Any, params: Any, fp8_meta: Any,
+                         autocast: Any) -> None:
+  """Refuses FP8 matmuls without meta, the meta among the params, autocast."""
+  owner = "TrainState.create"
+  if isinstance(params, Mapping) and FP8_META in params:
+    raise ValueError(
+        f"{owner}: params holds the FP8 meta collection {FP8_META!r}, where "
+        "the optimizer would update the scales (and the unscale divide them "
+        "by the loss scale). Pass the two collections apart: "
+        f"create(params=variables['params'], fp8_meta=variables[{FP8_META!r}]).")
+  fp8_policy = isinstance(policy, ModulePolicy) and uses_fp8(
+      [policy.default, *(p for _, p in policy.rules)])
+  if fp8_policy and fp8_meta is None:
+    raise ValueError(
+        f"{owner}: the policy {policy} runs FP8 matmuls, whose scales and "
+        "amax histories must be given: create the variables with the policy "
+        "(variables = policy.wrap_apply(model.init)(key, x), or "
+        "jaxmp.flax.ModulePolicy({}, default=policy) for a preset) and pass "
+        f"fp8_meta=variables[{FP8_META!r}].")
+  if (fp8_policy or fp8_meta is not None) and autocast is True:
+    raise ValueError(
+        f"{owner}(autocast=True) cannot run FP8 matmuls: autocast casts each "
+        "operation, and the FP8 ops keep per-tensor scales. Leave autocast "
+        "off with an FP8 policy.")
 
 
 def _keep_on_skip(finite: jax.Array, new: Any, old: Any, owner: str) -> Any:
