@@ -1191,6 +1191,72 @@ FALLBACK_CASES = [
 CASES += FALLBACK_CASES
 
 
+# -- FP8 training -----------------------------------------------------------------
+
+
+def fp8_state(**kwargs):
+  return jaxmp.flax.TrainState.create(
+      apply_fn=nn.Dense(2).apply, params={"kernel": jnp.ones((3, 2))},
+      tx=optax.sgd(0.1), policy="mixed_fp8", **kwargs)
+
+
+def fp8_apply(model):
+  policy = jaxmp.flax.ModulePolicy({}, default="mixed_fp8")
+  return lambda: policy.wrap_apply(model.init)(jax.random.key(0), jnp.ones((1, 3)))
+
+
+FP8_CASES = [
+    Case("policy: a bare float8 compute dtype", lambda: jaxmp.get_policy("c=f8e4m3"),
+         ValueError, r"compute_dtype=float8_e4m3fn would cast every activation .* "
+         r"with no per-tensor scaling, which cannot train",
+         r"use the policy 'mixed_fp8' \(= 'p=f32,c=bf16,o=f32,dot=fp8'\)"),
+    Case("Policy: a float8 output dtype",
+         lambda: jaxmp.Policy(jnp.float32, jnp.bfloat16, jnp.float8_e5m2), ValueError,
+         r"output_dtype=float8_e5m2 would cast the outputs to float8", r"'mixed_fp8'"),
+    Case("policy: an unknown matmul format", lambda: jaxmp.get_policy("c=bf16,dot=fp4"),
+         ValueError, r"key 'dot': 'fp4' is not a matmul format", r"'dot=fp8'"),
+    Case("policy: a zero amax history", lambda: jaxmp.get_policy("c=bf16,dot=fp8,amax_history=0"), ValueError,
+         r"'amax_history': '0' is not a whole number >= 1", r"'amax_history=16'"),
+    Case("policy: an amax history without FP8 matmuls",
+         lambda: jaxmp.get_policy("c=bf16,amax_history=16"), ValueError,
+         r"sets amax_history without dot=fp8", r"Add ',dot=fp8'"),
+    Case("Fp8Policy: wrap_apply of the bare policy",
+         lambda: jaxmp.get_policy("mixed_fp8").wrap_apply(nn.Dense(2).apply), ValueError,
+         r"the FP8 matmuls are injected into the Linen Dense .* which a plain policy",
+         r"jaxmp\.flax\.ModulePolicy\(\{\}, default=policy\)"),
+    Case("ModulePolicy: an nn.Einsum under an FP8 policy",
+         fp8_apply(nn.Einsum((3, 2), "bi,io->bo")), ValueError,
+         r"is an nn\.Einsum, whose matmul Flax gives no hook",
+         r"ModulePolicy\(\{nn\.Einsum: 'mixed_bfloat16'\}, default='mixed_fp8'\)"),
+    Case("ModulePolicy: FP8 for an NNX model",
+         lambda: jaxmp.flax.ModulePolicy({}, default="mixed_fp8").set_nnx_dtypes(
+             nnx.Linear(2, 2, rngs=nnx.Rngs(0))), ValueError,
+         r"FP8 matmuls \(dot=fp8\), which jaxmp injects into Linen modules only",
+         r"Use a policy without dot=fp8 for NNX models"),
+    Case("TrainState.create: an FP8 policy without FP8 meta", fp8_state, ValueError,
+         r"runs FP8 matmuls, whose scales and amax histories must be given",
+         r"fp8_meta=variables\['_overwrite_with_gradient'\]"),
+    Case("TrainState.create: the FP8 meta among the params",
+         lambda: jaxmp.flax.TrainState.create(
+             apply_fn=None, params={"params": PARAMS, "_overwrite_with_gradient": {}},
+             tx=optax.sgd(0.1)), ValueError,
+         r"params holds the FP8 meta collection '_overwrite_with_gradient', where the "
+         r"optimizer would update the scales",
+         r"create\(params=variables\['params'\], fp8_meta="),
+    Case("loss_scaling: gradients that hold the FP8 meta",
+         lambda: TX.update({"params": PARAMS, "_overwrite_with_gradient": {}}, STATE),
+         ValueError, r"the gradients hold Flax's FP8 meta collection",
+         r"Use jaxmp\.flax\.TrainState.*jaxmp\.select_tree"),
+    Case("TrainState.apply_gradients: no new FP8 meta",
+         lambda: fp8_state(fp8_meta={"x": jnp.ones(1)}).apply_gradients(
+             grads={"kernel": jnp.ones((3, 2))}), ValueError,
+         r"the state has FP8 meta but the gradients bring no new meta",
+         r"state\.value_and_grad\(loss_fn\)"),
+]
+
+CASES += FP8_CASES
+
+
 def test_the_catalogue_is_large_and_distinct():
   names = [case.name for case in CASES]
   assert len(names) == len(set(names))

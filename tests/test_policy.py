@@ -20,7 +20,6 @@ from matmul_dtypes import input_dtypes, matmul_dtypes
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 F64 = jnp.float64
-E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 
 # The grammar.
@@ -43,8 +42,6 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
         ("fp32", (F32, F32, F32)),
         ("fp64", (F64, F64, F64)),
         ("p=fp32,c=fp16,o=fp32", (F32, F16, F32)),
-        ("c=float8_e4m3fn", (F32, E4M3, E4M3)),
-        ("c=f8e5m2,o=f32", (F32, E5M2, F32)),
         ("mixed_bfloat16", (F32, BF16, F32)),
         ("mixed_float16", (F32, F16, F32)),
         ("float32", (F32, F32, F32)),
@@ -60,7 +57,7 @@ def test_grammar_and_presets(spec, expected):
 @pytest.mark.parametrize(
     "spec",
     ["p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32", "p=bf16,c=bf16,o=f16",
-     "p=f32,c=f8e4m3,o=f32", "p=f64,c=f32,o=f32"],
+     "p=f32,c=bf16,o=f32,dot=fp8", "p=f64,c=f32,o=f32"],
 )
 def test_str_round_trips(spec):
   policy = jaxmp.get_policy(spec)
@@ -118,8 +115,8 @@ def test_with_methods_and_needs_loss_scaling():
   assert str(policy.with_output_dtype(np.float16)) == "p=f32,c=f32,o=f16"
   assert policy.with_compute_dtype("f16").compute_dtype is jnp.float16
   assert [jaxmp.get_policy(s).needs_loss_scaling for s in (
-      "mixed_bfloat16", "mixed_float16", "float32", "c=f8e4m3", "c=f8e5m2")] == [
-          False, True, False, True, True]
+      "mixed_bfloat16", "mixed_float16", "float32", "mixed_fp8")] == [
+          False, True, False, False]
 
 
 # Casts.

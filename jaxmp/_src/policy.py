@@ -736,9 +736,11 @@ def get_policy(spec: Any) -> Policy:
     text = PRESETS[text]
   if "=" not in text:
     if text not in _DTYPE_NAMES and text != "half":
+      # 'mixed_fp16' means float16, however close it is to 'mixed_fp8'.
+      presets = [p for p in VALID_PRESETS if "8" in text or "8" not in p]
       raise ValueError(
           f"Unknown policy {spec!r}: not a preset. " + _unknown_dtype(
-              text, [*VALID_PRESETS, *VALID_DTYPE_NAMES], _GRAMMAR_HELP)
+              text, [*presets, *VALID_DTYPE_NAMES], _GRAMMAR_HELP)
       )
     dtype = parse_dtype(text)
     if np.dtype(dtype).itemsize == 1:

@@ -796,10 +796,14 @@ def _warning_text(
   ops = [op for op in report.ops
          if _is_float(op.lhs_dtype) and _is_float(op.rhs_dtype)]
   total = sum(op.flops for op in ops)
-  inside = sum(op.flops for op in ops if op.runs_in(dtype))
+  # FP8 matmuls (jaxmp.Fp8Policy, Flax's fp8_ops) are narrower still: they
+  # count with those in the compute dtype.
+  inside_ops = [op for op in ops if op.runs_in(dtype) or (
+      np.dtype(op.lhs_dtype).itemsize == 1 and np.dtype(op.rhs_dtype).itemsize == 1)]
+  inside = sum(op.flops for op in inside_ops)
   if total == 0 or inside >= MIN_SHARE_IN_COMPUTE_DTYPE * total:
     return None
-  outside = [op for op in ops if not op.runs_in(dtype)]
+  outside = [op for op in ops if op not in inside_ops]
   if not any(op.cause for op in outside):
     return None
   by_pair: dict[str, int] = {}

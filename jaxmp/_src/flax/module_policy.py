@@ -177,7 +177,8 @@ class ModulePolicy(RuleTablePolicy):
   it then calls Flax's ``fp8_ops.Fp8DirectDotGeneralOp`` (set as its
   ``dot_general_cls`` while it runs), whose scales and amax histories live in
   the collection ``"_overwrite_with_gradient"``; wrap ``model.init`` too
-  (``policy.wrap_apply(model.init)``) to create them. Other modules run in the
+  (``policy.wrap_apply(model.init)``, which injects the ops but casts
+  nothing) to create them. Other modules run in the
   base compute dtype; an ``nn.Einsum`` under an FP8 policy is refused (Flax
   gives it no hook), and so is a Dense layer with its own ``dot_general``.
   NNX models get no FP8 (``set_nnx_dtypes`` refuses).
@@ -340,7 +341,10 @@ class ModulePolicy(RuleTablePolicy):
       object.__setattr__(module, "dot_general_cls", fp8_cls)
     stack.append(policy)
     try:
-      if policy is None or context.method_name == "setup":
+      # In model.init nothing is cast: the params are created in their
+      # param_dtype as the inputs arrive, and only the variables are kept.
+      if (policy is None or context.method_name == "setup"
+          or module.is_initializing()):
         return next_fun(*args, **kwargs)
       args, kwargs = policy.cast_to_compute((args, kwargs))
       if own is not None and self.tag_scopes:
