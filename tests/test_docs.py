@@ -58,6 +58,7 @@ GUIDE_PAGES = (
     "equinox.md",
     "precision-audit.md",
     "autocast.md",
+    "fp8.md",
     "architecture.md",
     "faq.md",
     "guarantees.md",
