@@ -13,6 +13,7 @@ PUBLIC = {
     # Policies.
     "Policy", "get_policy", "auto_policy", "half_dtype", "cast_to_full",
     "cast_to_half", "hardware_report", "HardwareReport", "PathPolicy",
+    "Fp8Policy",  # FP8 training (docs/fp8.md)
     # Automatic mixed precision.
     "autocast", "autocast_rules",
     # Loss scales.
