@@ -23,9 +23,6 @@ from jax.extend import core as jax_core
 import jaxmp
 import jaxmp.flax
 
-pytestmark = pytest.mark.standard_promotion(
-    reason="not yet clean under strict dtype promotion: merged in the same session as the strict suite; to be fixed (a silent upcast in jaxmp.autocast).")
-
 BF16 = np.dtype(jnp.bfloat16)
 F16 = np.dtype(jnp.float16)
 F32 = np.dtype(jnp.float32)
@@ -622,6 +619,29 @@ def test_non_array_arguments_are_static_and_a_decorator_works():
       "x", "factor", "activation"]
 
 
+def test_the_casts_are_explicit_whatever_the_users_promotion():
+  # Autocast decides every dtype itself and inserts each cast: its program is
+  # the same under strict and standard promotion, where bfloat16 meets a
+  # float32 layer norm (widest wins), a float32 carry and float32 branches.
+  def mixed(params, x):
+    h = x @ params["w1"]
+    h = h + h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True))
+    h, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c @ params["w2"].T) + c, None),
+                        h, None, length=2)
+    h = jax.lax.cond(jnp.sum(x) > 0, lambda h: jnp.exp(h), lambda h: h, h)
+    return jnp.sum(h @ params["w2"])
+
+  params, x = small_params(), jnp.ones((2, 8))
+  params["w2"] = params["w1"][:, :16].T @ params["w1"][:, :16]
+  fast = jaxmp.autocast(mixed, "mixed_bfloat16")
+  programs = {}
+  for promotion in ("strict", "standard"):
+    with jax.numpy_dtype_promotion(promotion):
+      programs[promotion] = str(jax.make_jaxpr(jax.value_and_grad(fast))(params, x))
+  assert programs["strict"] == programs["standard"]
+  assert "bf16" in programs["strict"]
+
+
 # -- Transformations -------------------------------------------------------------------
 
 
@@ -659,9 +679,14 @@ def test_the_benchmark_meets_the_bytes_goal_in_a_reduced_configuration():
   args = benchmark.build_parser().parse_args([
       "--d-model", "128", "--layers", "1", "--heads", "4", "--seq-len", "128",
       "--batch-size", "8"])
-  figures = benchmark.compiler_figures(
-      args, (benchmark.TARGET, benchmark.AUTOCAST), dumps=False)
-  ours, target = figures[benchmark.AUTOCAST], figures[benchmark.TARGET]
+  ours = benchmark.compiler_figures(
+      args, (benchmark.AUTOCAST,), dumps=False)[benchmark.AUTOCAST]
+  # The hand cast is user code that needs standard promotion: Flax's attention
+  # with force_fp32_for_softmax=True multiplies its float32 softmax by the
+  # bfloat16 values. Autocast traces the float32 model, which is strict-clean.
+  with jax.numpy_dtype_promotion("standard"):
+    target = benchmark.compiler_figures(
+        args, (benchmark.TARGET,), dumps=False)[benchmark.TARGET]
   # Compiler figures only (deterministic); times are never asserted.
   assert ours["bytes_accessed"] <= benchmark.BYTES_TARGET * target["bytes_accessed"]
   assert ours["temp_bytes"] <= target["temp_bytes"]

@@ -65,7 +65,16 @@ def _is_floating(dtype: Any) -> bool:
 
 
 def _widest(dtypes) -> np.dtype:
-  return functools.reduce(jnp.promote_types, dtypes)
+  """The dtype that holds every one of ``dtypes``: JAX's standard promotion.
+
+  Autocast decides each operation's dtypes itself and casts to them
+  explicitly, so this is the only place it consults the promotion lattice. It
+  uses the standard lattice whatever the user configured: under
+  ``jax_numpy_dtype_promotion="strict"``, bfloat16 and float32 would have no
+  common type, and every cast autocast inserts is explicit anyway.
+  """
+  with jax.numpy_dtype_promotion("standard"):
+    return np.dtype(functools.reduce(jnp.promote_types, dtypes))
 
 
 def _at_least(dtype: np.dtype, floor: np.dtype | None) -> np.dtype:
