@@ -69,8 +69,6 @@ PENDING_PAGES = ("demo.md", "benchmarks.md")
 STANDARD_PROMOTION_PAGES = {
     "migration-jmp.md": "jmp's README loop, unchanged, subtracts a float32 target "
                         "from a float16 prediction",
-    "precision-audit.md": "its models mix float16 and float32 on purpose, to "
-                          "show what the audit reports",
 }
 NOT_SOURCE = ("hooks", "scripts")  # folders of docs/ that hold no pages
 
