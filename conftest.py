@@ -186,9 +186,8 @@ def pytest_addoption(parser):
 # reason (a test's own opt-out is its standard_promotion marker).
 STANDARD_PROMOTION_DOCTESTS = {
     "jaxmp._src.path_policy.PathPolicy.wrap_apply":
-        "a float32 layer fed by a bfloat16 one: Flax promotes the two",
-    "jaxmp._src.flax.train_state.TrainState":
-        "the loss subtracts the float16 target from the float32 output",
+        "it shows a float32 layer fed by a bfloat16 one, whose dtypes Flax "
+        "promotes (PathPolicy casts params only; the docstring says so)",
 }
 
 

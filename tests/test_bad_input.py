@@ -864,6 +864,24 @@ CASES = [
          ValueError,
          r"scope_policies: 'LayerNorm_\(' is not a valid regular expression",
          r"wrap a literal name in re\.escape"),
+    # -- autocast: NNX --------------------------------------------------------------
+    Case("autocast: an NNX model that updates its BatchNorm statistics in place",
+         lambda: nnx.value_and_grad(jaxmp.autocast(
+             lambda model, x: jnp.mean(model(x) ** 2), "mixed_bfloat16"))(
+                 nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)),
+                                nnx.BatchNorm(2, rngs=nnx.Rngs(0))), jnp.ones((4, 2))),
+         TypeError, r"jaxmp\.autocast: <lambda> changed its arguments in place",
+         r"nnx_scaled_value_and_grad\(loss_fn, loss_scale, autocast='mixed_bfloat16'\)"),
+    Case("nnx_scaled_value_and_grad: autocast=True",
+         lambda: jaxmp.flax.nnx_scaled_value_and_grad(
+             jnp.sum, jaxmp.NoOpLossScale(), autocast=True), TypeError,
+         r"autocast takes the policy to run the loss under.*got True",
+         r"autocast='mixed_bfloat16'"),
+    Case("nnx_scaled_value_and_grad: an unknown autocast policy",
+         lambda: jaxmp.flax.nnx_scaled_value_and_grad(
+             jnp.sum, jaxmp.NoOpLossScale(), autocast="mixed_bf16"), ValueError,
+         r"nnx_scaled_value_and_grad, autocast: Unknown policy 'mixed_bf16'",
+         r"mixed_bfloat16"),
 ]
 
 

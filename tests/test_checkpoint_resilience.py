@@ -20,9 +20,6 @@ import pytest
 import jaxmp
 import jaxmp.flax
 
-pytestmark = pytest.mark.standard_promotion(
-    reason="not yet clean under strict dtype promotion: merged in the same session as the strict suite; to be fixed (a silent upcast in the resumed float16 steps).")
-
 BURST_SCALE = jaxmp.DynamicLossScale(
     2.0**10, period=4, min_loss_scale=2.0**6, hysteresis=3)
 N_STEPS = 24

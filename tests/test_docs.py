@@ -70,10 +70,6 @@ PENDING_PAGES = ("demo.md", "benchmarks.md")
 STANDARD_PROMOTION_PAGES = {
     "migration-jmp.md": "jmp's README loop, unchanged, subtracts a float32 target "
                         "from a float16 prediction",
-    "autocast.md": "jaxmp.autocast is not yet clean under strict promotion "
-                   "(it was merged in the same session as the strict suite)",
-    "precision-audit.md": "its models mix float16 and float32 on purpose, to "
-                          "show what the audit reports",
 }
 NOT_SOURCE = ("hooks", "scripts")  # folders of docs/ that hold no pages
 

@@ -25,9 +25,6 @@ from flax import nnx
 import jaxmp
 import jaxmp.flax
 
-pytestmark = pytest.mark.standard_promotion(
-    reason="not yet clean under strict dtype promotion: merged in the same session as the strict suite; to be fixed (a silent upcast in the switched float16 models).")
-
 LADDER = ("mixed_float16", "float32")
 X = jnp.ones((4, 2))
 Y = jnp.zeros((4, 3))

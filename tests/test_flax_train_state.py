@@ -142,19 +142,40 @@ def test_value_and_grad_runs_under_policy_and_returns_scaled_grads():
     return jnp.mean(logits ** 2)
 
   value, grads = state.value_and_grad(loss)(state.params, x, y)
-  assert seen == {"params": {F16}, "x": F16, "y": np.dtype(jnp.int32), "logits": F32}  # apply_fn casts its outputs
+  # The batch comes as it is; apply_fn casts the model's inputs and outputs.
+  assert seen == {"params": {F16}, "x": F32, "y": np.dtype(jnp.int32), "logits": F32}
   assert value.dtype == F32  # cast to the output dtype
 
   def manual(params):  # the same computation written out by hand
-    out = loss(jaxmp.get_policy("mixed_float16").cast_to_compute(params),
-               x.astype(F16), y)
-    return out.astype(F32)
+    out = MLP().apply(
+        {"params": jaxmp.get_policy("mixed_float16").cast_to_compute(params)},
+        x.astype(F16)).astype(F32)
+    return jnp.mean(out ** 2)
 
   expected_value, expected_grads = jaxmp.scaled_value_and_grad(
       manual, jaxmp.StaticLossScale(64.0))(state.params)
   chex.assert_trees_all_equal(value, expected_value)
   chex.assert_trees_all_equal(grads, expected_grads)
   assert {g.dtype for g in jax.tree_util.tree_leaves(grads)} == {F32}
+
+
+def test_float_targets_are_not_rounded_to_the_compute_dtype():
+  # The loss compares the float32 output with the float32 target: 1000.3 is
+  # not rounded to float16's 1000.5, and nothing mixes float16 and float32.
+  state = make_state(loss_scale=jaxmp.NoOpLossScale())
+  x, y = jnp.ones((2, 4)), jnp.full((2, 3), 1000.3)
+  assert float(y.astype(F16)[0, 0]) == 1000.5
+
+  def loss(params, x, y):
+    seen["y"] = y.dtype
+    return jnp.mean((state.apply_fn({"params": params}, x) - y) ** 2)
+
+  seen = {}
+  value, grads = state.value_and_grad(loss)(state.params, x, y)
+  assert seen["y"] == F32
+  want = loss(jaxmp.get_policy("mixed_float16").cast_to_compute(state.params), x, y)
+  assert value.dtype == F32 and float(value) == float(want)
+  assert jaxmp.all_finite(grads)
 
 
 def test_no_retrace_and_policy_is_static():

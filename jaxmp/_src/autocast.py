@@ -65,7 +65,16 @@ def _is_floating(dtype: Any) -> bool:
 
 
 def _widest(dtypes) -> np.dtype:
-  return functools.reduce(jnp.promote_types, dtypes)
+  """The dtype that holds every one of ``dtypes``: JAX's standard promotion.
+
+  Autocast decides each operation's dtypes itself and casts to them
+  explicitly, so this is the only place it consults the promotion lattice. It
+  uses the standard lattice whatever the user configured: under
+  ``jax_numpy_dtype_promotion="strict"``, bfloat16 and float32 would have no
+  common type, and every cast autocast inserts is explicit anyway.
+  """
+  with jax.numpy_dtype_promotion("standard"):
+    return np.dtype(functools.reduce(jnp.promote_types, dtypes))
 
 
 def _at_least(dtype: np.dtype, floor: np.dtype | None) -> np.dtype:
@@ -729,6 +738,42 @@ def autocast(
   resolved = _resolve_policy(policy)
   table = autocast_rules(rules)
   scopes = _ScopePolicies(scope_policies, resolved)
+  return _autocast_function(fn, resolved, table, scopes, returns_state=False)
+
+
+def autocast_returning_state(fn: Callable[..., Any], policy: Any) -> Callable[..., Any]:
+  """:func:`autocast` of ``fn(*args, **kwargs) -> (outputs, state)``.
+
+  The floating leaves of ``outputs`` come back in the policy's output dtype,
+  as with :func:`autocast`; those of ``state`` (the updated variables of a
+  stateful model, such as NNX's BatchNorm statistics) in the dtypes ``fn``
+  gave them, so that the state keeps its dtypes from step to step.
+  """
+  resolved = _resolve_policy(policy)
+  return _autocast_function(
+      fn, resolved, autocast_rules(), _ScopePolicies(None, resolved),
+      returns_state=True)
+
+
+def _check_arguments_unchanged(fn, arguments, treedef, leaves) -> None:
+  """Raises if ``fn`` changed the arguments it was traced with in place."""
+  after, after_treedef = jax.tree_util.tree_flatten(arguments)
+  if after_treedef == treedef and all(a is b for a, b in zip(after, leaves)):
+    return
+  name = getattr(fn, "__name__", type(fn).__name__)
+  raise TypeError(
+      f"jaxmp.autocast: {name} changed its arguments in place (e.g. an NNX "
+      "module's BatchNorm statistics, RNG counts or sown values). autocast "
+      "traces the function and evaluates the trace again, so those updates "
+      "would be lost. For an NNX model, use "
+      "jaxmp.flax.nnx_scaled_value_and_grad(loss_fn, loss_scale, "
+      "autocast='mixed_bfloat16'), which carries them; otherwise return the "
+      "new values instead of assigning them."
+  )
+
+
+def _autocast_function(fn, resolved, table, scopes, *, returns_state):
+  """The function :func:`autocast` returns (see there and above)."""
   cache: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 
   @functools.wraps(fn)
@@ -748,23 +793,29 @@ def autocast(
         it, st = iter(dynamic_leaves), iter(static)
         rebuilt = [next(it) if d else next(st) for d in is_dynamic]
         a, kw = jax.tree_util.tree_unflatten(treedef, rebuilt)
-        return fn(*a, **kw)
+        out = fn(*a, **kw)
+        _check_arguments_unchanged(fn, (a, kw), treedef, rebuilt)
+        return out
 
       closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*dynamic)
-      entry = closed, jax.tree_util.tree_structure(out_shape)
+      # How many leading outputs take the output dtype (the rest, the state
+      # of returns_state, keep the dtypes they were traced with).
+      n_outputs = (len(jax.tree_util.tree_leaves(out_shape[0])) if returns_state
+                   else len(closed.out_avals))
+      entry = closed, jax.tree_util.tree_structure(out_shape), n_outputs
       has_tracers = any(isinstance(c, jax.core.Tracer) for c in closed.consts)
       if key is not None and not has_tracers:
         cache[key] = entry
         if len(cache) > _CACHE_SIZE:
           cache.popitem(last=False)
-    closed, out_tree = entry
+    closed, out_tree, n_outputs = entry
     prefix = _scope_names(source_info_util.current_name_stack())
     evaluator = _Evaluator(table, scopes)
     outs, _ = evaluator.run_closed(closed, dynamic, [True] * len(dynamic), prefix)
     outs = [
-        evaluator.cast(x, resolved.output_dtype)
+        evaluator.cast(x, resolved.output_dtype if i < n_outputs else aval.dtype)
         if _is_floating(jnp.result_type(x)) else x
-        for x in outs
+        for i, (x, aval) in enumerate(zip(outs, closed.out_avals))
     ]
     return jax.tree_util.tree_unflatten(out_tree, outs)
 

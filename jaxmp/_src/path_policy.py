@@ -225,6 +225,14 @@ class PathPolicy(RuleTablePolicy):
     ``"Dense_0/kernel"``, as in :meth:`jaxmp.flax.TrainState.value_and_grad`)
     and the inputs and outputs cast with ``default``.
 
+    Only the params are cast per path, not the activations between layers:
+    where a layer's params and its inputs differ in dtype (a float32 layer
+    after a bfloat16 one, as below), the model's own promotion decides. Flax
+    layers promote the two to the wider dtype; under strict dtype promotion
+    (``jax_numpy_dtype_promotion="strict"``) they raise. To run a layer in
+    float32 under strict promotion, use :class:`jaxmp.flax.ModulePolicy`,
+    which casts each module's inputs too.
+
     Args:
       apply_fn: a function of ``(variables, *args, **kwargs)``.
 

@@ -723,14 +723,15 @@ _ADVICE = {
             "compute in the dtype the policy gives them) or dtype=jnp.{dtype}."
         ),
         "closure": (
-            "value_and_grad casts only the arguments of the function it "
-            "returns. Fix: pass the batch as an argument, "
-            "grad_fn(state.params, batch) with loss_fn(params, batch), or call "
-            "the model through state.apply_fn, which casts its inputs."
+            "value_and_grad casts the params; the model's inputs are cast by "
+            "state.apply_fn. Fix: call the model through state.apply_fn, "
+            "which casts its inputs, captured or passed."
         ),
         "mixed": (
-            "Fix: give that input the compute dtype too, or, if a rule of "
-            "the policy keeps it in float32 on purpose, ignore this."
+            "Fix: call the model through state.apply_fn, which casts its "
+            "inputs to the compute dtype, or give that input the compute "
+            "dtype yourself; if a rule of the policy keeps it in float32 on "
+            "purpose, ignore this."
         ),
     },
     "nnx_scaled_value_and_grad": {

@@ -4,13 +4,16 @@ BatchNorm statistics kept on skipped steps."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from jaxmp._src.autocast import autocast_returning_state
 from jaxmp._src.loss_scale import LossScale, NoOpLossScale
 from jaxmp._src.loss_scaling import _find_state
+from jaxmp._src.policy import Policy, get_policy
 from jaxmp._src.precision_audit import warn_on_first_trace
 from jaxmp._src.recovery import Recover, check_recover, recovering
 from jaxmp._src.value_and_grad import differentiator, scale_then_differentiate
@@ -23,6 +26,7 @@ def nnx_scaled_value_and_grad(
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     recover: Recover | None = None,
+    autocast: Any = False,
 ) -> Callable[..., Any]:
   """Like ``nnx.value_and_grad``, but differentiates the scaled loss.
 
@@ -37,6 +41,17 @@ def nnx_scaled_value_and_grad(
   also traces ``fun`` on a copy of the model, running nothing, and warns with
   a :class:`jaxmp.PrecisionWarning` when the model's 16-bit dtype does not
   take effect (see :func:`jaxmp.precision_report`).
+
+  **Autocast.** ``autocast="mixed_bfloat16"`` runs ``fun`` under
+  :func:`jaxmp.autocast`, as ``TrainState.create(..., autocast=True)`` does
+  for Linen: each operation's inputs are cast by its rule (matmuls and
+  convolutions in the compute dtype, softmax, norms and the loss in float32),
+  whatever ``dtype=`` the layers declare, while the params stay float32 and
+  their gradients come back float32. An NNX model has no policy of its own, so
+  the option takes the policy itself rather than ``True``. The variables
+  ``fun`` updates in place (BatchNorm statistics, RNG counts) are carried out
+  of the autocast evaluation and written back to the model in their own
+  dtypes.
 
   Args:
     fun: the loss function; returns a scalar (and aux when ``has_aux``).
@@ -54,14 +69,22 @@ def nnx_scaled_value_and_grad(
       (BatchNorm statistics) are written back to the model. Pass the
       returned ``recovery`` on: ``optimizer.update(model, grads,
       recovery=recovery)`` (``nnx.Optimizer`` passes it to the optimizer).
+      With ``autocast``, the fallback runs as given (not under autocast).
+    autocast: ``False`` (the default) to run ``fun`` as written, or the
+      policy to run it under :func:`jaxmp.autocast` with: a
+      :class:`jaxmp.Policy` or anything :func:`jaxmp.get_policy` accepts
+      (``"mixed_bfloat16"``, ``"mixed_float16"``). The loss (and aux) come
+      back in the policy's output dtype.
 
   Returns:
     A function with the signature of ``fun`` returning ``(loss, grads)`` or
     ``((loss, aux), grads)``; with ``recover``, ``(loss, grads, recovery)``.
 
   Raises:
-    TypeError: if ``loss_scale`` is not a loss scale, or ``recover`` has a
-      policy fallback.
+    TypeError: if ``loss_scale`` is not a loss scale, ``recover`` has a
+      policy fallback, or ``autocast`` is ``True`` or not a policy.
+    ValueError: if ``autocast`` is a string :func:`jaxmp.get_policy` does
+      not accept.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
@@ -84,6 +107,9 @@ def nnx_scaled_value_and_grad(
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
+  autocast_policy = _autocast_policy(autocast)
+  if autocast_policy is not None:
+    fun = _under_autocast(fun, autocast_policy)
   if recover is None:
     grad_fn = scale_then_differentiate(
         nnx.value_and_grad, fun, loss_scale, argnums=argnums, has_aux=has_aux,
@@ -100,8 +126,54 @@ def nnx_scaled_value_and_grad(
   # At trace time, once per compilation: warn if the 16-bit dtype the model
   # computes in does not take effect (docs/precision-audit.md).
   return warn_on_first_trace(
-      grad_fn, fun, compute_dtype=None, caller="nnx_scaled_value_and_grad",
-      prepare=on_a_copy)
+      grad_fn, fun,
+      compute_dtype=None if autocast_policy is None else autocast_policy.compute_dtype,
+      caller="nnx_scaled_value_and_grad", prepare=on_a_copy)
+
+
+def _autocast_policy(autocast: Any) -> Policy | None:
+  """The policy of ``nnx_scaled_value_and_grad(..., autocast=...)``, or None."""
+  if autocast is False or autocast is None:
+    return None
+  if autocast is True:
+    raise TypeError(
+        "nnx_scaled_value_and_grad: autocast takes the policy to run the loss "
+        "under, e.g. autocast='mixed_bfloat16'; got True. (An NNX model has "
+        "no policy of its own for autocast=True to use, as "
+        "TrainState.create(..., autocast=True) uses the state's.)")
+  try:
+    return get_policy(autocast)
+  except (TypeError, ValueError) as e:
+    raise type(e)(
+        f"nnx_scaled_value_and_grad, autocast: {e} Pass False (no autocast) "
+        "or a policy, e.g. autocast='mixed_bfloat16'.") from None
+
+
+def _under_autocast(fun: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
+  """``fun`` under :func:`jaxmp.autocast`, for NNX modules updated in place.
+
+  Autocast evaluates a trace of ``fun``; an NNX module's in-place updates
+  (BatchNorm statistics, RNG counts) would stay inside it. So ``fun`` runs on
+  a copy merged from the split state, returns the variables it leaves, and
+  those are written back to the caller's modules.
+  """
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  def on_a_copy(graphdef, state):
+    args, kwargs = nnx.merge(graphdef, state, copy=True)
+    out = fun(*args, **kwargs)
+    return out, nnx.state((args, kwargs), nnx.Variable)
+
+  cast_on_a_copy = autocast_returning_state(on_a_copy, policy)
+
+  @functools.wraps(fun)
+  def autocast_fun(*args, **kwargs):
+    graphdef, state = nnx.split((args, kwargs))
+    out, variables = cast_on_a_copy(graphdef, state)
+    nnx.update((args, kwargs), variables)
+    return out
+
+  return autocast_fun
 
 
 def _recovering(fun, loss_scale, argnums, has_aux, recover):

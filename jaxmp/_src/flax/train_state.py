@@ -356,11 +356,16 @@ class TrainState(train_state.TrainState):
     The returned function runs ``loss_fn(params, *args, **kwargs)`` under the
     policy: the params are cast to the compute dtype (per path with a
     :class:`jaxmp.PathPolicy`; inside each module with a
-    :class:`jaxmp.flax.ModulePolicy`), the floating inputs to the (default)
-    compute dtype, and the loss (and aux) to the output dtype. It returns the
-    *unscaled* loss (``(loss, aux)`` when ``has_aux``) and the gradients of the
-    *scaled* loss with respect to ``params``, in the params' own dtype, ready
-    for :meth:`apply_gradients`.
+    :class:`jaxmp.flax.ModulePolicy`) and the loss (and aux) to the output
+    dtype. The other arguments (the batch) are passed as they are:
+    ``state.apply_fn`` casts the model's floating inputs to the compute dtype
+    and returns its output in the output dtype, so the loss compares that
+    output with targets in their own dtype (float32 targets are not rounded
+    to float16, and no float32 output meets a float16 target). It returns the
+    *unscaled* loss
+    (``(loss, aux)`` when ``has_aux``) and the gradients of the *scaled* loss
+    with respect to ``params``, in the params' own dtype, ready for
+    :meth:`apply_gradients`.
 
     The first call with given shapes (under ``jit``: once per compilation)
     also traces the forward pass once more, as :func:`jaxmp.precision_report`
@@ -375,8 +380,8 @@ class TrainState(train_state.TrainState):
       recover: a :class:`jaxmp.Recover` to recompute the batch inside the
         step when its gradients are not finite. A policy ``fallback``
         (``"float32"``) runs ``loss_fn`` under that policy at scale 1: the
-        params and floating inputs are cast to its compute dtype, and
-        ``state.apply_fn`` runs under it (a model's own ``dtype=``
+        params are cast to its compute dtype, and ``state.apply_fn`` runs
+        under it (a model's own ``dtype=``
         declarations still win inside the model); a callable fallback is
         called as ``loss_fn`` is. Pass the returned ``recovery`` on:
         ``state.apply_gradients(grads=grads, recovery=recovery)``.
@@ -421,9 +426,8 @@ class TrainState(train_state.TrainState):
       )
     io_policy = policy.io_policy
 
-    def run(params, *args, **kwargs):
+    def run(params, *args, **kwargs):  # the batch as it is: see the docstring
       params = policy.params_for_compute(params)
-      args, kwargs = io_policy.cast_to_compute((args, kwargs))
       return io_policy.cast_to_output(loss_fn(params, *args, **kwargs))
 
     if self.autocast:
@@ -434,7 +438,6 @@ class TrainState(train_state.TrainState):
 
       def run(params, *args, **kwargs):  # noqa: F811
         return io_policy.cast_to_output(cast_loss(params, *args, **kwargs))
-
 
     if self.fp8_meta is not None:
       if recover is not None:
@@ -453,7 +456,6 @@ class TrainState(train_state.TrainState):
 
         def fallback_fun(params, *args, **kwargs):
           params = fallback.params_for_compute(params)
-          args, kwargs = fallback.cast_to_compute((args, kwargs))
           with apply_policy_override(fallback):
             return fallback.cast_to_output(loss_fn(params, *args, **kwargs))
 
