@@ -174,9 +174,7 @@ def recovering_step(
       return (optax.apply_updates(params, updates), opt_state), out
 
     (params, opt_state), out, info = retry_while_skipped(
-        attempt, (params, opt_state), lambda state: state[1],
-        lambda state, opt_state: (state[0], opt_state),
-        recover, fallback is not None)
+        attempt, (params, opt_state), recover, fallback is not None)
     return params, opt_state, out, info
 
   return step
@@ -198,6 +196,11 @@ def _refuse_accumulation(opt_state: Any) -> None:
           "tx.update(..., recovery=recovery).")
 
 
+def _scaling_state(opt_state: Any) -> LossScalingState:
+  """The one loss-scaling state of ``opt_state`` (checked by ``_find_state``)."""
+  return loss_scaling_states_with_path(opt_state)[0][1]
+
+
 def _with_loss_scaling_state(opt_state: Any, new: LossScalingState) -> Any:
   """``opt_state`` with its one loss-scaling state replaced by ``new``."""
   return jax.tree_util.tree_map(
@@ -207,9 +210,7 @@ def _with_loss_scaling_state(opt_state: Any, new: LossScalingState) -> Any:
 
 def retry_while_skipped(
     attempt: Callable[[Any, RecoveryInfo], tuple[Any, Any]],
-    state: Any,
-    opt_state_of: Callable[[Any], Any],
-    with_opt_state: Callable[[Any, Any], Any],
+    state: tuple[Any, Any],
     recover: Recover,
     has_fallback: bool,
 ) -> tuple[Any, Any, RecoveryInfo]:
@@ -217,12 +218,17 @@ def retry_while_skipped(
 
   ``attempt(state, info)`` computes the gradients at ``info.loss_scale`` (in
   the fallback precision at scale 1 when ``info.fell_back``), runs the
-  optimizer's update with ``recovery=info`` and returns ``(state, out)``.
-  ``opt_state_of(state)`` is the optimizer state inside ``state``, and
-  ``with_opt_state(state, opt_state)`` puts one back. Returns the state and
-  ``out`` of the last attempt and its :class:`jaxmp.RecoveryInfo`.
+  optimizer's update with ``recovery=info`` and returns ``(state, out)``;
+  ``state`` is ``(params, opt_state)``. Returns the state and ``out`` of the
+  last attempt and its :class:`jaxmp.RecoveryInfo`.
   """
-  original = _find_state(opt_state_of(state), _CALLER)
+  def opt_state_of(state):
+    return state[1]
+
+  def with_opt_state(state, opt_state):
+    return state[0], opt_state
+
+  original = _find_state(opt_state_of(state), _CALLER)  # warns if misplaced
   _refuse_accumulation(opt_state_of(state))
   scale = jax.tree_util.tree_map(jnp.asarray, original.loss_scale)
   backs_off = not isinstance(scale, (StaticLossScale, NoOpLossScale))
@@ -231,7 +237,7 @@ def retry_while_skipped(
 
   def rewound(state):
     """``state`` with the step's own counters, and the current scale."""
-    current = _find_state(opt_state_of(state), _CALLER)
+    current = _scaling_state(opt_state_of(state))
     return with_opt_state(state, _with_loss_scaling_state(
         opt_state_of(state), original._replace(
             inner_state=current.inner_state, loss_scale=current.loss_scale)))
@@ -241,13 +247,13 @@ def retry_while_skipped(
     retries = jnp.minimum(k, in_training_precision - 1).astype(jnp.int32)
     if not has_fallback:
       return RecoveryInfo(
-          loss_scale=_find_state(opt_state_of(state), _CALLER).loss_scale,
+          loss_scale=_scaling_state(opt_state_of(state)).loss_scale,
           retries=retries, fell_back=jnp.zeros([], jnp.bool_), finite=None)
     fell_back = k >= in_training_precision
     # The fallback attempt reports the scale of the last attempt in the
     # training precision, as scaled_value_and_grad(recover=) does: the
     # optimizer backs it off once more for that attempt's overflow.
-    current = _find_state(opt_state_of(state), _CALLER).loss_scale
+    current = _scaling_state(opt_state_of(state)).loss_scale
     at = jax.tree_util.tree_map(
         lambda a, b: jnp.where(fell_back, a, b), last.loss_scale, current)
     return RecoveryInfo(loss_scale=at, retries=retries, fell_back=fell_back,
@@ -261,7 +267,7 @@ def retry_while_skipped(
 
   def again(carry):
     state, k, _, _ = carry
-    skipped = jnp.logical_not(_find_state(opt_state_of(state), _CALLER).last_finite)
+    skipped = jnp.logical_not(_scaling_state(opt_state_of(state)).last_finite)
     return (k == 0) | (skipped & (k < attempts))
 
   def body(carry):
@@ -272,5 +278,5 @@ def retry_while_skipped(
     return state, k + 1, info, out
 
   state, _, info, out = jax.lax.while_loop(again, body, carry)
-  finite = jnp.asarray(_find_state(opt_state_of(state), _CALLER).last_finite)
+  finite = jnp.asarray(_scaling_state(opt_state_of(state)).last_finite)
   return state, out, info._replace(finite=finite)
