@@ -809,9 +809,19 @@ def plot(results: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
   scaled = [r for r in results if r["loss_scaling"]]
   panels = ["loss"] + (["difference"] if others else []) + (["scale"] if scaled else [])
   heights = {"loss": 3.2, "difference": 1.8, "scale": 2.4}
+  # Many runs or events: the legends go to the right of the panels, where
+  # they cover no curve.
+  beside = len(results) + sum(len(r.get("events", ())) for r in results) > 4
+
+  def legend(ax, **kwargs):
+    if beside:
+      ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+      ax.legend(fontsize=8, **kwargs)
+
   fig, axes = plt.subplots(
       len(panels), 1, sharex=True, squeeze=False,
-      figsize=(8, sum(heights[p] for p in panels) + 0.6),
+      figsize=(12.5 if beside else 8, sum(heights[p] for p in panels) + 0.6),
       gridspec_kw={"height_ratios": [heights[p] for p in panels]})
   axes = dict(zip(panels, axes[:, 0]))
   n_steps = len(results[0]["train"]["loss"])
@@ -829,9 +839,10 @@ def plot(results: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
   mark_events(ax, results)
   ax.set_ylabel("cross entropy\n(nats/byte)")
   names = [r["policy"] for r in results]
-  ax.set_title("Byte-level transformer LM: " + " vs ".join(names) if len(names) <= 3
-               else "Byte-level transformer LM:\n" + " vs ".join(names))
-  ax.legend(fontsize=8, ncol=2)
+  title = " vs ".join(names)
+  ax.set_title("Byte-level transformer LM: " + title if len(title) <= 60
+               else "Byte-level transformer LM:\n" + title)
+  legend(ax, ncol=2)
   ax.grid(alpha=0.3)
 
   if others:
@@ -844,7 +855,7 @@ def plot(results: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
               styles.get(r["policy"], "-."), color=color,
               label=f"{r['policy']} - float32")
     ax.set_ylabel("train loss\nminus float32")
-    ax.legend(fontsize=8)
+    legend(ax)
     ax.grid(alpha=0.3)
 
   for r in scaled:
@@ -864,7 +875,7 @@ def plot(results: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
     ax.set_yscale("log", base=2)
     mark_events(ax, [r])
     ax.set_ylabel("loss scale")
-    ax.legend(fontsize=8)
+    legend(ax)
     ax.grid(alpha=0.3)
   axes[panels[-1]].set_xlabel("step")
   fig.tight_layout()
