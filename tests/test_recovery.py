@@ -361,7 +361,9 @@ def _benchmark():
     reason="the benchmark transformer is examples/train_lm.py's model, whose "
            "float16 attention meets Flax's float32 softmax (as in the demo)")
 def test_a_finite_step_with_recovery_costs_within_half_a_percent_of_plain():
-  # The benchmark transformer, reduced; the compiler's figures are exact.
+  # jaxmp.recovering_step against plain scaled_value_and_grad, on the
+  # benchmark transformer, reduced; the compiler's figures are exact. (The
+  # retries inside the gradients cost far more: docs/benchmarks.md.)
   recovery = _benchmark()
   args = recovery.build_parser().parse_args(
       ["--d-model", "32", "--layers", "1", "--seq-len", "16", "--batch-size", "2"])
