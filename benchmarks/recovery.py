@@ -1,20 +1,26 @@
-"""What does recovering the batch inside the step cost? ``jaxmp.Recover``.
+"""What does recovering the batch inside the step cost? ``jaxmp.recovering_step``.
 
 The jitted train step of the byte-level transformer of ``examples/train_lm.py``
 (``optax.adamw``, float32 master parameters, float16 compute, a donated
-state), written three ways:
+state), written four ways:
 
 1. ``plain``: ``jaxmp.scaled_value_and_grad`` and ``jaxmp.loss_scaling``;
-2. ``recover``: the same with ``recover=jaxmp.Recover(max_retries=4)``;
-3. ``recover+fallback``: with ``fallback=`` the float32 loss as well.
+2. ``recovering_step``: ``jaxmp.recovering_step(loss, tx,
+   jaxmp.Recover(max_retries=4))``, the whole step in a do-while loop;
+3. ``recovering_step+fallback``: with ``fallback=`` the float32 loss as well;
+4. ``value_and_grad recover``: the plain step with
+   ``scaled_value_and_grad(..., recover=jaxmp.Recover(max_retries=4))`` and
+   ``tx.update(..., recovery=recovery)``, the retries inside the gradients.
 
 For each it reports the compiler's figures for a *finite* step (which are
 deterministic: ``cost_analysis()`` bytes accessed, ``memory_analysis()``
-temp bytes, the peak live bytes of XLA's live-range dump), the CPU seconds of
-one compilation, and the median step time over interleaved rounds. Then the
-cost of a *recovered* step: the step time when the first attempt overflows
-and ``k`` retries run (the scale starts ``2**k`` times too high), as a ratio
-to a finite step.
+temp bytes, the peak live bytes of XLA's dumps, by distinct buffer: see
+:func:`peak_live_bytes`), the CPU seconds of one compilation, and the median
+step time over interleaved rounds. It checks that a finite step of each
+recovering variant gives the same bytes as ``plain`` (params, optimizer
+state, loss). Then the cost of a *recovered* step: the step time when the
+first attempt overflows and ``k`` retries run (the scale starts ``2**k``
+times too high), as a ratio to a finite step.
 
 Usage::
 
@@ -26,8 +32,13 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import os
+import pathlib
+import re
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -43,6 +54,7 @@ from overhead import train_lm  # the model of examples/train_lm.py
 
 INITIAL_SCALE = 2.0**10  # finite for this model in float16
 MAX_RETRIES = 4
+_DUMPS = itertools.count()  # a fresh program name for each dump
 
 
 def loss_fns(args) -> tuple[Any, Any, Any]:
@@ -54,9 +66,10 @@ def loss_fns(args) -> tuple[Any, Any, Any]:
           train_lm.make_loss_fn(model, jaxmp.get_policy("float32")), params)
 
 
-def make_steps(loss16, loss32) -> dict[str, Any]:
-  """The three train steps: ``(params, opt_state), batch -> (state, loss)``."""
+def make_steps(loss16, loss32) -> tuple[dict[str, Any], Any]:
+  """The train steps, each ``(params, opt_state), batch -> (state, loss)``."""
   tx = jaxmp.loss_scaling(optax.adamw(1e-3), jaxmp.DynamicLossScale(INITIAL_SCALE))
+  recover = jaxmp.Recover(max_retries=MAX_RETRIES)
 
   def plain(state, batch):
     params, opt_state = state
@@ -65,20 +78,27 @@ def make_steps(loss16, loss32) -> dict[str, Any]:
     updates, opt_state = tx.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state), loss
 
-  def recovering(recover):
+  def whole_step(recover):
+    recovering = jaxmp.recovering_step(loss16, tx, recover)
+
     def step(state, batch):
-      params, opt_state = state
-      loss, grads, recovery = jaxmp.scaled_value_and_grad(
-          loss16, jaxmp.get_loss_scale(opt_state), recover=recover)(params, batch)
-      updates, opt_state = tx.update(grads, opt_state, params, recovery=recovery)
-      return (optax.apply_updates(params, updates), opt_state), loss
+      params, opt_state, loss, _ = recovering(*state, batch)
+      return (params, opt_state), loss
     return step
+
+  def value_and_grad_recover(state, batch):
+    params, opt_state = state
+    loss, grads, recovery = jaxmp.scaled_value_and_grad(
+        loss16, jaxmp.get_loss_scale(opt_state), recover=recover)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params, recovery=recovery)
+    return (optax.apply_updates(params, updates), opt_state), loss
 
   return {
       "plain": plain,
-      "recover": recovering(jaxmp.Recover(max_retries=MAX_RETRIES)),
-      "recover+fallback": recovering(
-          jaxmp.Recover(max_retries=MAX_RETRIES, fallback=loss32)),
+      "recovering_step": whole_step(recover),
+      "recovering_step+fallback": whole_step(
+          dataclasses.replace(recover, fallback=loss32)),
+      "value_and_grad recover": value_and_grad_recover,
   }, tx
 
 
@@ -90,6 +110,102 @@ def with_scale(state, scale: float):
   return params, opt_state._replace(loss_scale=loss_scale)
 
 
+def distinct_peak(live_ranges: str, buffer_assignment: str) -> int:
+  """The peak of the bytes live at once, each buffer counted once.
+
+  ``live_ranges`` is XLA's ``*-live-range.txt`` dump (``name{index}:start-end``
+  per value, both ends included: an instruction's operands and results are
+  live together), ``buffer_assignment`` its ``*-buffer-assignment.txt``
+  (which allocation and offset hold each value). Values that share a buffer
+  (a while loop's carried state and the arguments it was passed, an output
+  written in place over a donated argument) are counted once.
+  """
+  where = {}
+  allocation = None
+  for line in buffer_assignment.splitlines():
+    found = re.match(r"allocation (\d+):", line)
+    if found:
+      allocation = int(found.group(1))
+      continue
+    found = re.match(r"\s*value: <\d+ (\S+?)(\{[\d,]*\})?(?: \(phi\))? @\d+> "
+                     r"\(size=(\d+),offset=(\d+)\)", line)
+    if found and allocation is not None:
+      name = found.group(1) + (found.group(2) or "{}")
+      where[name] = (allocation, int(found.group(4)), int(found.group(3)))
+  ranges = live_ranges.partition("BufferLiveRange:")[2].partition("Live ranges at")[0]
+  spans: dict[tuple[int, int], list[list[int]]] = {}
+  for line in ranges.splitlines():
+    found = re.match(r"\s*(\S+):(\d+)-(\d+)\s*$", line)
+    if not found:
+      continue
+    if found.group(1) not in where:
+      raise RuntimeError(
+          f"benchmarks/recovery.py: the live-range dump names {found.group(1)}, "
+          "which the buffer assignment does not; update distinct_peak() to "
+          "this XLA version's dump format.")
+    allocation, offset, size = where[found.group(1)]
+    spans.setdefault((allocation, offset), []).append(
+        [int(found.group(2)), int(found.group(3)), size])
+  events = []
+  for intervals in spans.values():  # one buffer: merge its overlapping values
+    intervals.sort()
+    current = intervals[0]
+    for start, end, size in intervals[1:]:
+      if start <= current[1]:
+        current[1], current[2] = max(current[1], end), max(current[2], size)
+      else:
+        events += [(current[0], current[2]), (current[1] + 1, -current[2])]
+        current = [start, end, size]
+    events += [(current[0], current[2]), (current[1] + 1, -current[2])]
+  live = peak = 0
+  for _, change in sorted(events, key=lambda event: (event[0], event[1])):
+    live += change
+    peak = max(peak, live)
+  return peak
+
+
+def peak_live_bytes(step, state, batch) -> int | None:
+  """The peak live bytes of ``step``, by distinct buffer (:func:`distinct_peak`).
+
+  ``overhead.dump_figures`` sums the values XLA lists at its peak moment; in
+  a step with a ``while`` loop, XLA lists the loop's carried state and the
+  arguments it was passed as separate values at the moment one hands over to
+  the other, though they are one buffer, so that sum counts the whole state
+  twice. None where XLA dumps no live ranges (not on the CPU).
+  """
+  # A program found in JAX's persistent compilation cache (the tests keep
+  # one) is not compiled again, so XLA would dump nothing: a name of its own
+  # makes the program new, and it is not written back to the cache.
+  def dumped_step(state, batch):
+    return step(state, batch)
+
+  dumped_step.__name__ = dumped_step.__qualname__ = (
+      f"dumped_step_{os.getpid()}_{next(_DUMPS)}")
+  minimum = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+  try:
+    with tempfile.TemporaryDirectory() as tmp:
+      jax.jit(dumped_step, donate_argnums=(0,)).lower(state, batch).compile(
+          compiler_options={"xla_dump_to": tmp})
+      return _peak_from_dump(pathlib.Path(tmp))
+  finally:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", minimum)
+
+
+def _peak_from_dump(dump: pathlib.Path) -> int | None:
+  """:func:`distinct_peak` of the files XLA dumped into ``dump``."""
+  live_ranges = sorted(dump.glob("*after_optimizations-live-range.txt"))
+  assignments = sorted(dump.glob("*after_optimizations-buffer-assignment.txt"))
+  if len(live_ranges) != 1 or len(assignments) != 1:
+    if jax.default_backend() != "cpu":
+      return None
+    raise RuntimeError(
+        "benchmarks/recovery.py expected one live-range and one "
+        f"buffer-assignment file, found {len(live_ranges)} and "
+        f"{len(assignments)}; update peak_live_bytes() to this XLA version.")
+  return distinct_peak(live_ranges[0].read_text(), assignments[0].read_text())
+
+
 def compile_figures(steps, state, batch, dumps: bool = True) -> dict[str, dict[str, Any]]:
   """Compiler figures and compile CPU seconds of each step, on ``state``."""
   figures = {}
@@ -97,12 +213,25 @@ def compile_figures(steps, state, batch, dumps: bool = True) -> dict[str, dict[s
     compiled, _, cpu_seconds = overhead.compile_step(step, state, batch)
     figures[name] = overhead.compiler_figures(compiled)
     if dumps:
-      figures[name].update(overhead.dump_figures(step, state, batch))
+      figures[name]["peak_live_bytes"] = peak_live_bytes(step, state, batch)
     figures[name]["compile_seconds"] = cpu_seconds
     figures[name]["compiled"] = compiled
   return figures
 
 
+def check_finite_steps_match(figures, state, batch) -> dict[str, bool]:
+  """Whether a finite step of each recovering variant gives ``plain``'s bytes.
+
+  Runs one step of each compiled variant on a copy of ``state`` (they are
+  donated) and compares every leaf of the params, the optimizer state and the
+  loss, byte for byte.
+  """
+  def leaves(name):
+    out = figures[name]["compiled"](overhead.copy_tree(state), batch)
+    return [np.asarray(leaf).tobytes() for leaf in jax.tree_util.tree_leaves(out)]
+
+  reference = leaves("plain")
+  return {name: leaves(name) == reference for name in figures if name != "plain"}
 def time_rounds(runs: dict[str, Any], args) -> dict[str, list[float]]:
   """Seconds per step of each ``run() -> outputs``, in interleaved rounds."""
   names = list(runs)
@@ -129,6 +258,7 @@ def measure(args) -> dict[str, Any]:
                       jnp.int32)
   state = (params, tx.init(params))
   figures = compile_figures(steps, state, batch, dumps=not args.no_dump)
+  matches = check_finite_steps_match(figures, state, batch)
 
   # Finite steps, donated state: each call gets a fresh copy.
   def finite_run(name):
@@ -136,7 +266,7 @@ def measure(args) -> dict[str, Any]:
     return lambda: compiled(overhead.copy_tree(state), batch)
 
   # A recovered step: the scale is 2**MAX_RETRIES times too high, so the
-  # first attempt and the retries before the last overflow (not donated).
+  # first attempt and the retries before the last overflow.
   too_high = None
   probe = jax.jit(lambda s, b: jaxmp.scaled_value_and_grad(
       loss16, jaxmp.get_loss_scale(s[1]), recover=jaxmp.Recover(MAX_RETRIES))(
@@ -147,10 +277,12 @@ def measure(args) -> dict[str, Any]:
     if int(info.retries) == MAX_RETRIES and bool(info.finite):
       too_high = candidate
       break
-  recovered = jax.jit(steps["recover"])
   runs = {name: finite_run(name) for name in steps}
   if too_high is not None:  # copies too, as the finite runs do
-    runs["recover, 4 retries"] = lambda: recovered(overhead.copy_tree(too_high), batch)
+    for name in ("recovering_step", "value_and_grad recover"):
+      compiled = figures[name]["compiled"]
+      runs[f"{name}, {MAX_RETRIES} retries"] = (
+          lambda compiled=compiled: compiled(overhead.copy_tree(too_high), batch))
   seconds = time_rounds(runs, args)
 
   base = figures["plain"]
@@ -173,6 +305,7 @@ def measure(args) -> dict[str, Any]:
       "parameters": int(sum(x.size for x in jax.tree_util.tree_leaves(params))),
       "machine": overhead.machine_description(),
       "recovered_scale_found": too_high is not None,
+      "finite_step_matches_plain": matches,
       "variants": results,
   }
 
@@ -197,9 +330,22 @@ def markdown(results: dict[str, Any]) -> str:
           f"{f['compile_seconds']:.2f} | {f['time_ratio']:.2f}x |")
     else:
       lines.append(f"| {name} | | | | | {f['time_ratio']:.2f}x |")
-  lines.append("")
-  lines.append("Ratios are to `plain`; step times are medians of interleaved rounds "
-               "(each step includes a copy of the state, as the donated steps need).")
+  same = [name for name, match in results["finite_step_matches_plain"].items() if match]
+  differ = [name for name, match in results["finite_step_matches_plain"].items()
+            if not match]
+  lines += [
+      "",
+      "Ratios are to `plain`; step times are medians of interleaved rounds "
+      "(each step includes a copy of the state, as the donated steps need). "
+      "Peak live: the most bytes live at once, arguments included, each buffer "
+      "counted once (a while loop's carried state shares the buffers of the "
+      "arguments it was passed).",
+      "",
+      "A finite step gives the bytes of `plain` (params, optimizer state, loss): "
+      + (", ".join(f"`{name}`" for name in same) or "none")
+      + (f"; it does NOT for {', '.join(f'`{name}`' for name in differ)}" if differ else "")
+      + ".",
+  ]
   return "\n".join(lines) + "\n"
 
 

@@ -18,6 +18,7 @@ Usage::
   python examples/train_lm.py --steps 2000 --d-model 256 --layers 6   # longer
   python examples/train_lm.py --fp16-spike 100              # float16 fails for real
   python examples/train_lm.py --fp16-spike 100 --fallback   # ... and falls back
+  python examples/train_lm.py --policy mixed_float16 --init-scale '2**24' --recover
 
 Writes ``runs/<timestamp>/metrics.json`` and ``runs/<timestamp>/loss.png``
 and prints a summary table.
@@ -50,6 +51,7 @@ VALIDATION_FRACTION = 0.05
 # scale already at minimum". The LayerNorms keep float32 and bfloat16 finite.
 SPIKE_FACTOR = 2.0**20
 FALLBACK_SUFFIX = "+fallback"
+RECOVER_SUFFIX = "+recover"
 
 
 class UsageError(Exception):
@@ -143,6 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
       "float32 when float16 overflows at the minimum loss scale",
   )
   parser.add_argument(
+      "--recover", action="store_true",
+      help="also train each float16 policy with jaxmp.recovering_step, which "
+      "recomputes a batch whose gradients overflow inside the step (at "
+      "backed-off scales, then in the wider policy) instead of skipping it; "
+      "with --fallback, that run also falls back",
+  )
+  parser.add_argument(
+      "--max-retries", type=int, default=8,
+      help="with --recover, how many backed-off recomputes a batch gets "
+      "before the wider policy; 8 reach 2**16 from --init-scale 2**24",
+  )
+  parser.add_argument(
       "--eval-every", type=int, default=50,
       help="steps between validation evaluations",
   )
@@ -178,6 +192,8 @@ class Config:
   eval_batches: int
   fp16_spike: int | None = None
   fallback: bool = False
+  recover: bool = False
+  max_retries: int = 8
 
 
 def check_args(args: argparse.Namespace) -> tuple[list[str], Config]:
@@ -212,15 +228,23 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], Config]:
         f"--fp16-spike must be a step from 1 to --steps ({args.steps}), got "
         f"{args.fp16_spike}."
     )
-  if args.fallback:
-    scaled = [p for p in policies if jaxmp.get_policy(p).needs_loss_scaling]
-    if not scaled:
+  scaled = [p for p in policies if jaxmp.get_policy(p).needs_loss_scaling]
+  for flag, given in (("--fallback", args.fallback), ("--recover", args.recover)):
+    if given and not scaled:
       raise UsageError(
-          "--fallback watches float16 runs, but no policy of this run computes "
+          f"{flag} watches float16 runs, but no policy of this run computes "
           f"in float16 ({', '.join(policies)}); add --policy mixed_float16 or "
           "use --policy compare."
       )
+  if args.fallback:
     policies += [p + FALLBACK_SUFFIX for p in scaled]
+  if args.recover:
+    try:
+      jaxmp.Recover(max_retries=args.max_retries)
+    except (TypeError, ValueError) as e:
+      raise UsageError(f"--max-retries: {e}") from None
+    policies += [p + RECOVER_SUFFIX + (FALLBACK_SUFFIX if args.fallback else "")
+                 for p in scaled]
   if not (math.isfinite(args.lr) and args.lr > 0):
     raise UsageError(f"--lr must be a positive number, got {args.lr}.")
   init_scale = parse_number(args.init_scale)
@@ -235,6 +259,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], Config]:
       init_scale=init_scale, scale_period=args.scale_period, seed=args.seed,
       eval_every=args.eval_every, eval_batches=args.eval_batches,
       fp16_spike=args.fp16_spike, fallback=args.fallback,
+      recover=args.recover, max_retries=args.max_retries,
   )
   return policies, config
 
@@ -451,16 +476,34 @@ def scaled_gradients(loss_fn):
   return gradients
 
 
-def make_train_step(loss_fn, tx, *, gradients=scaled_gradients):
+def make_train_step(loss_fn, tx, *, gradients=scaled_gradients, recover=None):
   """One guarded step: scaled gradients, update or skip, adjust the scale.
 
   ``gradients(loss_fn)`` builds the function that takes the gradients of a
-  batch (default :func:`scaled_gradients`).
+  batch (default :func:`scaled_gradients`). With ``recover`` (a
+  :class:`jaxmp.Recover`), the step is :func:`jaxmp.recovering_step`'s
+  instead, which recomputes a batch whose update was skipped inside the step,
+  and the metrics say whether this batch was recovered (``gradients`` is not
+  used then).
   """
   import jax  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
 
   import jaxmp  # pylint: disable=import-outside-toplevel
+
+  if recover is not None:
+    recovering = jaxmp.recovering_step(loss_fn, tx, recover)
+
+    def recovering_train_step(params, opt_state, batch):
+      params, opt_state, loss, recovery = recovering(params, opt_state, batch)
+      metrics = jaxmp.loss_scaling_metrics(opt_state)
+      metrics["loss"] = loss
+      metrics["recovered"] = recovery.finite & (
+          (recovery.retries > 0) | recovery.fell_back)
+      metrics["fell_back"] = recovery.finite & recovery.fell_back
+      return params, opt_state, metrics
+
+    return jax.jit(recovering_train_step, donate_argnums=(0, 1))
 
   batch_gradients = gradients(loss_fn)
 
@@ -475,16 +518,31 @@ def make_train_step(loss_fn, tx, *, gradients=scaled_gradients):
   return jax.jit(train_step, donate_argnums=(0, 1))
 
 
-def fallback_controller(policy_name: str):
-  """The PrecisionFallback of a ``+fallback`` run: float16, then one wider policy.
+def wider_policy() -> str:
+  """bfloat16 where the hardware runs it natively, else float32.
 
-  The wider policy is bfloat16 where the hardware runs it natively, else
-  float32 (jaxmp refuses a bfloat16 rung on hardware without it).
+  jaxmp refuses a bfloat16 fallback on hardware without it.
   """
   import jaxmp  # pylint: disable=import-outside-toplevel
 
-  wider = "mixed_bfloat16" if jaxmp.hardware_report().native_bfloat16 else "float32"
-  return jaxmp.PrecisionFallback((policy_name, wider), every=1)
+  return "mixed_bfloat16" if jaxmp.hardware_report().native_bfloat16 else "float32"
+
+
+def fallback_controller(policy_name: str):
+  """The PrecisionFallback of a ``+fallback`` run: float16, then one wider policy."""
+  import jaxmp  # pylint: disable=import-outside-toplevel
+
+  return jaxmp.PrecisionFallback((policy_name, wider_policy()), every=1)
+
+
+def recover_config(config: Config, model):
+  """The jaxmp.Recover of a ``+recover`` run: the backed-off retries, then
+  the loss under the wider policy (:func:`wider_policy`), at scale 1."""
+  import jaxmp  # pylint: disable=import-outside-toplevel
+
+  return jaxmp.Recover(
+      max_retries=config.max_retries,
+      fallback=make_loss_fn(model, jaxmp.get_policy(wider_policy())))
 
 
 # ---------------------------------------------------------------------------
@@ -523,6 +581,9 @@ def train(run_name: str, config: Config, train_text, val_text,
   ``run_name`` is a policy, or a float16 policy with ``+fallback``: the run
   then starts in that policy and a :class:`jaxmp.PrecisionFallback` switches
   it to a wider one when float16 fails (the step is compiled once more).
+  With ``+recover`` (before ``+fallback`` when both), the step recovers a
+  batch whose update would be skipped, inside the step
+  (:func:`jaxmp.recovering_step` with :func:`recover_config`).
   ``gradients`` is how the step takes the gradients of a batch (see
   :func:`make_train_step`).
   """
@@ -533,10 +594,13 @@ def train(run_name: str, config: Config, train_text, val_text,
 
   import jaxmp  # pylint: disable=import-outside-toplevel
 
-  policy_name = run_name.removesuffix(FALLBACK_SUFFIX)
-  fallback = fallback_controller(policy_name) if run_name != policy_name else None
+  falls_back = run_name.endswith(FALLBACK_SUFFIX)
+  recovers = run_name.removesuffix(FALLBACK_SUFFIX).endswith(RECOVER_SUFFIX)
+  policy_name = run_name.removesuffix(FALLBACK_SUFFIX).removesuffix(RECOVER_SUFFIX)
+  fallback = fallback_controller(policy_name) if falls_back else None
   policy = jaxmp.get_policy(policy_name)
   model = make_model(config.d_model, config.layers, config.heads, config.seq_len)
+  recover = recover_config(config, model) if recovers else None
   loss_fn = make_loss_fn(model, policy)
   tx = make_optimizer(config, policy)
   rng = np.random.default_rng(config.seed)
@@ -548,7 +612,7 @@ def train(run_name: str, config: Config, train_text, val_text,
 
   batch = random_windows(rng, train_text, config.batch_size, config.seq_len)
   started = time.perf_counter()
-  compiled = make_train_step(loss_fn, tx, gradients=gradients).lower(
+  compiled = make_train_step(loss_fn, tx, gradients=gradients, recover=recover).lower(
       params, opt_state, batch).compile()
   compile_seconds = time.perf_counter() - started
   evaluate = jax.jit(loss_fn)
@@ -562,7 +626,8 @@ def train(run_name: str, config: Config, train_text, val_text,
               for i in range(0, len(windows), config.batch_size)]
     return float(np.mean(jax.device_get(losses)))
 
-  history = {"loss": [], "loss_scale": [], "skipped": [], "policy": []}
+  history = {"loss": [], "loss_scale": [], "skipped": [], "recovered": [],
+             "policy": []}
   val_history = {"step": [], "loss": []}
   events = []  # the crash condition, and switches of the policy
   bar = tqdm.tqdm(total=config.steps, desc=f"{run_name:>14}", unit="step",
@@ -586,6 +651,7 @@ def train(run_name: str, config: Config, train_text, val_text,
         scale_used if policy.needs_loss_scaling else float("nan"))
     scale_used = scale
     history["skipped"].append(not bool(metrics["last_finite"]))
+    history["recovered"].append(bool(metrics.get("recovered", False)))
     history["policy"].append(str(policy))
     if not events and int(metrics["overflows_at_min"]) > 0:
       events.append({"step": step, "event": "crash condition",
@@ -596,8 +662,11 @@ def train(run_name: str, config: Config, train_text, val_text,
         policy = new_policy
         loss_fn = make_loss_fn(model, policy)
         evaluate = jax.jit(loss_fn)
-        compiled = make_train_step(loss_fn, tx, gradients=gradients).lower(
-            params, opt_state, batch).compile()
+        if not policy.needs_loss_scaling:
+          recover = None  # nothing left to back off or to fall back to
+        compiled = make_train_step(
+            loss_fn, tx, gradients=gradients, recover=recover).lower(
+                params, opt_state, batch).compile()
         events.append({"step": step, "event": "switch",
                        "detail": f"switched to {policy}"})
     if step % config.eval_every == 0 or step == config.steps:
@@ -617,7 +686,9 @@ def train(run_name: str, config: Config, train_text, val_text,
       "policy": run_name,
       "policy_string": str(jaxmp.get_policy(policy_name)),
       "loss_scaling": jaxmp.get_policy(policy_name).needs_loss_scaling,
+      "recovers": recovers,
       "lost_batches": lost,
+      "recovered_steps": sum(history["recovered"]),
       "events": events,
       "parameters": int(n_params),
       "final_train_loss": mean_loss(params, train_eval),
@@ -656,15 +727,19 @@ def preset_name(policy_string: str) -> str:
 def summary_table(results: Sequence[dict[str, Any]]) -> str:
   """The summary as a Markdown table.
 
-  When a run met float16's crash condition or switched policy, two columns
-  say so: the batches lost (skipped) under each policy the run went through,
-  and the events with their steps.
+  When a run met float16's crash condition or switched policy, or recovered
+  its batches in the step, more columns say so: the batches recovered, the
+  batches lost (skipped) under each policy the run went through, and the
+  events with their steps.
   """
-  events = any(r.get("events") for r in results)
+  recovers = any(r.get("recovers") for r in results)
+  events = recovers or any(r.get("events") for r in results)
   lines = [
       "| policy | train loss | val loss | skipped steps | final loss scale "
-      "| tokens/s | memory |" + (" lost batches per policy | events |" if events else ""),
-      "|---|---|---|---|---|---|---|" + ("---|---|" if events else ""),
+      "| tokens/s | memory |" + (" recovered steps |" if recovers else "")
+      + (" lost batches per policy | events |" if events else ""),
+      "|---|---|---|---|---|---|---|" + ("---|" if recovers else "")
+      + ("---|---|" if events else ""),
   ]
   for r in results:
     memory = r["memory"]
@@ -674,6 +749,8 @@ def summary_table(results: Sequence[dict[str, Any]]) -> str:
         f"{format_scale(r['final_loss_scale'], r.get('final_loss_scaling', r['loss_scaling']))} | "
         f"{r['tokens_per_second']:,.0f} | {format_bytes(memory['bytes'])} |"
     )
+    if recovers:
+      line += f" {r['recovered_steps'] if r.get('recovers') else '-'} |"
     if events:
       lost = ", ".join(f"{preset_name(name)}: {count}"
                        for name, count in r["lost_batches"].items())
@@ -716,8 +793,9 @@ def plot(results: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
   Panels: the train loss (a running mean over 10 steps) and the validation
   loss; when float32 ran too, each policy's train loss minus float32's (so
   that curves hidden under each other show); the loss scale of the runs that
-  use loss scaling, with the skipped steps marked. Vertical lines mark where
-  a run switched policy (solid) or met float16's crash condition (dotted).
+  use loss scaling, with the skipped steps marked (and the steps whose batch
+  was recovered inside the step, circled). Vertical lines mark where a run
+  switched policy (solid) or met float16's crash condition (dotted).
   """
   import matplotlib  # pylint: disable=import-outside-toplevel
 
@@ -731,9 +809,19 @@ def plot(results: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
   scaled = [r for r in results if r["loss_scaling"]]
   panels = ["loss"] + (["difference"] if others else []) + (["scale"] if scaled else [])
   heights = {"loss": 3.2, "difference": 1.8, "scale": 2.4}
+  # Many runs or events: the legends go to the right of the panels, where
+  # they cover no curve.
+  beside = len(results) + sum(len(r.get("events", ())) for r in results) > 4
+
+  def legend(ax, **kwargs):
+    if beside:
+      ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+      ax.legend(fontsize=8, **kwargs)
+
   fig, axes = plt.subplots(
       len(panels), 1, sharex=True, squeeze=False,
-      figsize=(8, sum(heights[p] for p in panels) + 0.6),
+      figsize=(12.5 if beside else 8, sum(heights[p] for p in panels) + 0.6),
       gridspec_kw={"height_ratios": [heights[p] for p in panels]})
   axes = dict(zip(panels, axes[:, 0]))
   n_steps = len(results[0]["train"]["loss"])
@@ -751,9 +839,10 @@ def plot(results: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
   mark_events(ax, results)
   ax.set_ylabel("cross entropy\n(nats/byte)")
   names = [r["policy"] for r in results]
-  ax.set_title("Byte-level transformer LM: " + " vs ".join(names) if len(names) <= 3
-               else "Byte-level transformer LM:\n" + " vs ".join(names))
-  ax.legend(fontsize=8, ncol=2)
+  title = " vs ".join(names)
+  ax.set_title("Byte-level transformer LM: " + title if len(title) <= 60
+               else "Byte-level transformer LM:\n" + title)
+  legend(ax, ncol=2)
   ax.grid(alpha=0.3)
 
   if others:
@@ -766,7 +855,7 @@ def plot(results: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
               styles.get(r["policy"], "-."), color=color,
               label=f"{r['policy']} - float32")
     ax.set_ylabel("train loss\nminus float32")
-    ax.legend(fontsize=8)
+    legend(ax)
     ax.grid(alpha=0.3)
 
   for r in scaled:
@@ -777,11 +866,16 @@ def plot(results: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
             label=f"{r['policy']} loss scale (used by each step)")
     skipped = np.flatnonzero(np.asarray(r["train"]["skipped"]))
     ax.plot(all_steps[skipped], used[skipped], "x", color="red",
-            label=f"skipped steps ({len(skipped)})")
+            label=f"{r['policy']}: skipped steps ({len(skipped)})")
+    if r.get("recovers"):
+      recovered = np.flatnonzero(np.asarray(r["train"]["recovered"]))
+      ax.plot(all_steps[recovered], used[recovered], "o", markersize=5,
+              markerfacecolor="none", color="green",
+              label=f"{r['policy']}: recovered steps ({len(recovered)})")
     ax.set_yscale("log", base=2)
     mark_events(ax, [r])
     ax.set_ylabel("loss scale")
-    ax.legend(fontsize=8)
+    legend(ax)
     ax.grid(alpha=0.3)
   axes[panels[-1]].set_xlabel("step")
   fig.tight_layout()

@@ -22,7 +22,7 @@ PUBLIC = {
     # The optax wrapper.
     "loss_scaling", "LossScalingState", "get_loss_scale", "loss_scaling_metrics",
     "scaled_value_and_grad", "check_loss_scale", "LossScaleAtMinimumError",
-    "multi_steps", "Recover", "RecoveryInfo",
+    "multi_steps", "Recover", "RecoveryInfo", "recovering_step",
     # Distributed training.
     "opt_state_shardings",
     # Migration.

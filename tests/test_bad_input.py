@@ -144,6 +144,13 @@ def train_state_bf16_fallback():
                               recover=jaxmp.Recover(fallback="mixed_bfloat16"))
 
 
+def whole_step_on(tx, recover=jaxmp.Recover()):
+  """A call of jaxmp.recovering_step's step on a fresh state of ``tx``."""
+  step = jaxmp.recovering_step(lambda w: jnp.sum(w["w"]) + jnp.sum(w["b"]), tx,
+                               recover)
+  return lambda: step(PARAMS, tx.init(PARAMS))
+
+
 VALID_DTYPES = r"Valid dtype names are: bf16, bfloat16, f16, f32"
 # Every error about a policy string lists the keys, the dtype names and the presets.
 POLICY_GRAMMAR = (r"Valid keys are p, params, c, compute, o, output\. " + VALID_DTYPES
@@ -199,6 +206,32 @@ CASES = [
          train_state_bf16_fallback, ValueError,
          r"computes in bfloat16, which is not native on this cpu device",
          r"Fall back to 'float32' here"),
+    # -- Recovery: the whole step in the loop (recovering_step) --------------------
+    Case("recovering_step: recover is not a Recover",
+         lambda: jaxmp.recovering_step(jnp.sum, TX, "yes"), TypeError,
+         r"recovering_step\(recover='yes'\): recover must be a jaxmp\.Recover",
+         r"recover=jaxmp\.Recover\(max_retries=4, fallback='float32'\)"),
+    Case("recovering_step: an axis name on Recover",
+         lambda: jaxmp.recovering_step(jnp.sum, TX, jaxmp.Recover(axis_name="batch")),
+         ValueError, r"Recover\(axis_name='batch'\)\): the retries follow the "
+         r"optimizer's own finiteness check",
+         r"jaxmp\.loss_scaling\(\.\.\., axis_name='batch'\), and drop it from Recover"),
+    Case("recovering_step: a policy fallback",
+         lambda: jaxmp.recovering_step(jnp.sum, TX, jaxmp.Recover(fallback="float32")),
+         TypeError, r"the recovery fallback p=f32,c=f32,o=f32 is a policy",
+         r"Pass a function with the loss function's signature"),
+    Case("recovering_step: the optimizer is not an optax transformation",
+         lambda: jaxmp.recovering_step(jnp.sum, optax.sgd), TypeError,
+         r"expects the optimizer as its second argument.*got <function sgd",
+         r"an optax\.GradientTransformation wrapped with jaxmp\.loss_scaling"),
+    Case("recovering_step: an optimizer without loss scaling",
+         whole_step_on(optax.sgd(0.1)), ValueError,
+         r"recovering_step: no jaxmp\.loss_scaling state found", NO_STATE_FIX),
+    Case("recovering_step: an accumulating optimizer",
+         whole_step_on(jaxmp.multi_steps(optax.sgd(0.1), jaxmp.DynamicLossScale(), 2)),
+         ValueError, r"the optimizer accumulates gradients \(a MultiStepsState at the "
+         r"top of its state\)",
+         r"Recover each micro-batch with jaxmp\.scaled_value_and_grad"),
     # -- Policies ------------------------------------------------------------
     Case("policy: empty string", lambda: jaxmp.get_policy(""), ValueError,
          r"Empty policy string", POLICY_GRAMMAR),

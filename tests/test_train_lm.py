@@ -89,11 +89,12 @@ def test_the_default_run_has_no_precision_events(compare_run):
 
 @pytest.fixture(scope="module")
 def spike_run(tmp_path_factory):
-  """float16 with a spike at step 6, plain and under the fallback controller."""
+  """float16 with a spike at step 6: plain, under the fallback controller, and
+  recovering its batches in the step under the controller."""
   out = tmp_path_factory.mktemp("spike")
   proc = _run(*TINY, "--steps", "14", "--policy", "mixed_float16", "--fallback",
-              "--fp16-spike", "6", "--init-scale", "2**2", "--out", str(out),
-              cwd=out)
+              "--recover", "--max-retries", "2", "--fp16-spike", "6",
+              "--init-scale", "2**2", "--out", str(out), cwd=out)
   assert proc.returncode == 0, proc.stderr
   (run_dir,) = list(out.iterdir())
   results = json.loads((run_dir / "metrics.json").read_text())["results"]
@@ -129,10 +130,52 @@ def test_the_fallback_run_switches_once_and_loses_no_batch_after(spike_run):
   assert (run_dir / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_the_recovering_run_recovers_the_spike_batch_and_switches(spike_run):
+  proc, _, results = spike_run
+  run = results["mixed_float16+recover+fallback"]
+  # Step 6 overflows at 4, 2 and 1 (the minimum: the crash condition); the
+  # float32 fallback inside the step recovers the batch, and the controller
+  # switches the run to float32 after it.
+  assert run["events"] == [
+      {"step": 6, "event": "crash condition",
+       "detail": "overflow at the minimum loss scale"},
+      {"step": 6, "event": "switch", "detail": "switched to p=f32,c=f32,o=f32"}]
+  assert run["train"]["recovered"] == [False] * 5 + [True] + [False] * 8
+  assert run["train"]["skipped"] == [False] * 14
+  assert run["lost_batches"] == {"p=f32,c=f16,o=f32": 0, "p=f32,c=f32,o=f32": 0}
+  assert all(math.isfinite(x) for x in run["train"]["loss"])
+  assert ("| mixed_float16+recover+fallback |" in proc.stdout
+          and "| 1 | mixed_float16: 0, float32: 0 |" in proc.stdout)
+
+
+def test_recovering_from_2_24_loses_no_batch_where_plain_loses_eight(tmp_path):
+  proc = _run(*TINY, "--steps", "10", "--policy", "mixed_float16",
+              "--init-scale", "2**24", "--recover", "--out", str(tmp_path),
+              cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr
+  (run_dir,) = list(tmp_path.iterdir())
+  results = {r["policy"]: r for r in
+             json.loads((run_dir / "metrics.json").read_text())["results"]}
+  plain, recovering = results["mixed_float16"], results["mixed_float16+recover"]
+  # Plain skipping loses a batch per halving from 2**24 down to 2**16.
+  assert plain["lost_batches"] == {"p=f32,c=f16,o=f32": 8}
+  assert plain["train"]["skipped"] == [True] * 8 + [False] * 2
+  # With 8 retries the first batch is recomputed at 2**16 inside its step.
+  assert recovering["lost_batches"] == {"p=f32,c=f16,o=f32": 0}
+  assert recovering["train"]["recovered"] == [True] + [False] * 9
+  assert recovering["train"]["loss_scale"][:2] == [2.0**24, 2.0**16]
+  assert ("| mixed_float16 |" in proc.stdout and "| - | mixed_float16: 8 | - |"
+          in proc.stdout)
+  assert "| 1 | mixed_float16: 0 | - |" in proc.stdout
+  assert (run_dir / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--policy", "float32", "--fallback"], "--fallback watches float16 runs"),
+        (["--policy", "float32", "--recover"], "--recover watches float16 runs"),
+        (["--recover", "--max-retries", "-1"], "--max-retries: jaxmp.Recover: max_retries"),
         (["--fp16-spike", "0"], "--fp16-spike must be a step from 1 to --steps"),
         (["--data", "no/such/file.txt"], "no such file"),
         (["--data", "{empty}"], "empty"),

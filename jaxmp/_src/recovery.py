@@ -203,6 +203,25 @@ def _cast_like(tree: Any, like: Any) -> Any:
       lambda x, y: jnp.asarray(x).astype(jnp.result_type(y)), tree, like)
 
 
+def like_the_attempt(fallback_result: tuple[Any, Any], attempt_result: tuple[Any, Any],
+                     caller: str) -> tuple[Any, Any]:
+  """The fallback's ``(out, grads)`` cast to the dtypes of the attempt's.
+
+  Raises:
+    ValueError: if the fallback's gradients have another structure.
+  """
+  (fb_out, fb_grads), (out, grads) = fallback_result, attempt_result
+  if (jax.tree_util.tree_structure(fb_grads)
+      != jax.tree_util.tree_structure(grads)):
+    raise ValueError(
+        f"{caller}: the recovery fallback's gradients have the structure "
+        f"{jax.tree_util.tree_structure(fb_grads)}, but the loss "
+        f"function's have {jax.tree_util.tree_structure(grads)}. The "
+        "fallback must take the same arguments and return the same kind "
+        "of loss (and aux) as the loss function.")
+  return _cast_like(fb_out, out), _cast_like(fb_grads, grads)
+
+
 def recovering(
     attempt: Callable[[LossScale], tuple[Any, Any]],
     fallback_attempt: Callable[[], tuple[Any, Any]] | None,
@@ -245,16 +264,7 @@ def recovering(
 
     def fall_back(carry):
       scale, retries, out, grads, _ = carry
-      fb_out, fb_grads = fallback_attempt()
-      if (jax.tree_util.tree_structure(fb_grads)
-          != jax.tree_util.tree_structure(grads)):
-        raise ValueError(
-            f"{caller}: the recovery fallback's gradients have the structure "
-            f"{jax.tree_util.tree_structure(fb_grads)}, but the loss "
-            f"function's have {jax.tree_util.tree_structure(grads)}. The "
-            "fallback must take the same arguments and return the same kind "
-            "of loss (and aux) as the loss function.")
-      fb_out, fb_grads = _cast_like(fb_out, out), _cast_like(fb_grads, grads)
+      fb_out, fb_grads = like_the_attempt(fallback_attempt(), (out, grads), caller)
       return (scale, retries, fb_out, fb_grads,
               agreed_finite(fb_grads, recover.axis_name, caller),
               jnp.ones([], jnp.bool_))
