@@ -124,14 +124,8 @@ def recovering_step(
     >>> int(metrics["recovered_steps"]), int(metrics["skipped_steps"])
     (1, 0)
   """
-  recover = check_recover(recover, _CALLER)
-  if recover.axis_name is not None:
-    raise ValueError(
-        f"{_CALLER}(recover=jaxmp.Recover(axis_name={recover.axis_name!r})): "
-        "the retries follow the optimizer's own finiteness check, so the "
-        "devices agree through it. Pass the axis name to the optimizer, "
-        f"jaxmp.loss_scaling(..., axis_name={recover.axis_name!r}), and drop "
-        "it from Recover.")
+  recover = check_whole_step_recover(
+      recover, _CALLER, optimizer="jaxmp.loss_scaling(..., axis_name={!r})")
   fallback = recover.fallback
   if fallback is not None and not callable(fallback):
     raise TypeError(
@@ -154,18 +148,11 @@ def recovering_step(
     _check_array_leaves((params,), 0, _CALLER)
 
     def gradients(info, params):
-      if fallback_at is None:
-        return grad_at(info.loss_scale, params, *args, **kwargs)
-
-      def training_precision():
-        return grad_at(info.loss_scale, params, *args, **kwargs)
-
-      def fallback_precision():
-        return like_the_attempt(
-            fallback_at(no_scale, params, *args, **kwargs),
-            jax.eval_shape(training_precision), _CALLER)
-
-      return jax.lax.cond(info.fell_back, fallback_precision, training_precision)
+      return attempt_gradients(
+          info, lambda: grad_at(info.loss_scale, params, *args, **kwargs),
+          None if fallback_at is None else (
+              lambda: fallback_at(no_scale, params, *args, **kwargs)),
+          _CALLER)
 
     def attempt(state, info):
       params, opt_state = state
@@ -174,20 +161,65 @@ def recovering_step(
       return (optax.apply_updates(params, updates), opt_state), out
 
     (params, opt_state), out, info = retry_while_skipped(
-        attempt, (params, opt_state), recover, fallback is not None)
+        attempt, (params, opt_state), recover, fallback is not None,
+        opt_state_of=lambda state: state[1],
+        with_opt_state=lambda state, opt_state: (state[0], opt_state),
+        caller=_CALLER)
     return params, opt_state, out, info
 
   return step
 
 
-def _refuse_accumulation(opt_state: Any) -> None:
+def check_whole_step_recover(recover: Any, caller: str, *, optimizer: str) -> Recover:
+  """``recover``, checked for a whole-step retry loop.
+
+  ``optimizer`` is where the axis name goes instead, a format string for
+  the name (``"jaxmp.loss_scaling(..., axis_name={!r})"``).
+
+  Raises:
+    TypeError: if ``recover`` is not a :class:`jaxmp.Recover`.
+    ValueError: if it has an ``axis_name``.
+  """
+  recover = check_recover(recover, caller)
+  if recover.axis_name is not None:
+    raise ValueError(
+        f"{caller}(recover=jaxmp.Recover(axis_name={recover.axis_name!r})): "
+        "the retries follow the optimizer's own finiteness check, so the "
+        "devices agree through it. Pass the axis name to the optimizer, "
+        f"{optimizer.format(recover.axis_name)}, and drop it from Recover.")
+  return recover
+
+
+def attempt_gradients(
+    info: RecoveryInfo,
+    training_precision: Callable[[], tuple[Any, Any]],
+    fallback_precision: Callable[[], tuple[Any, Any]] | None,
+    caller: str,
+) -> tuple[Any, Any]:
+  """The ``(out, grads)`` of the attempt ``info`` describes.
+
+  ``training_precision()`` computes them at ``info.loss_scale``;
+  ``fallback_precision()`` (None without a fallback) in the fallback
+  precision at scale 1, which the attempt runs when ``info.fell_back``
+  (a ``lax.cond``), its results cast to the dtypes of the other's.
+  """
+  if fallback_precision is None:
+    return training_precision()
+  return jax.lax.cond(
+      info.fell_back,
+      lambda: like_the_attempt(
+          fallback_precision(), jax.eval_shape(training_precision), caller),
+      training_precision)
+
+
+def _refuse_accumulation(opt_state: Any, caller: str) -> None:
   """Refuses a loss-scaling state inside ``optax.MultiSteps``."""
   for path, accumulating in optax.tree_utils.tree_get_all_with_path(
       opt_state, "MultiStepsState",
       filtering=lambda _, value: isinstance(value, optax.MultiStepsState)):
     if loss_scaling_states_with_path(accumulating.inner_opt_state):
       raise ValueError(
-          f"{_CALLER}: the optimizer accumulates gradients (a MultiStepsState "
+          f"{caller}: the optimizer accumulates gradients (a MultiStepsState "
           f"at {jax.tree_util.keystr(path) or 'the top'} of its state), and "
           "skips only on the last micro-batch, so a whole-step retry cannot "
           "see a micro-batch overflow. Recover each micro-batch with "
@@ -210,26 +242,27 @@ def _with_loss_scaling_state(opt_state: Any, new: LossScalingState) -> Any:
 
 def retry_while_skipped(
     attempt: Callable[[Any, RecoveryInfo], tuple[Any, Any]],
-    state: tuple[Any, Any],
+    state: Any,
     recover: Recover,
     has_fallback: bool,
+    *,
+    opt_state_of: Callable[[Any], Any],
+    with_opt_state: Callable[[Any, Any], Any],
+    caller: str,
 ) -> tuple[Any, Any, RecoveryInfo]:
   """Runs ``attempt`` in a do-while loop until its update is not skipped.
 
   ``attempt(state, info)`` computes the gradients at ``info.loss_scale`` (in
   the fallback precision at scale 1 when ``info.fell_back``), runs the
   optimizer's update with ``recovery=info`` and returns ``(state, out)``;
-  ``state`` is ``(params, opt_state)``. Returns the state and ``out`` of the
-  last attempt and its :class:`jaxmp.RecoveryInfo`.
+  ``state`` is any pytree that holds the optimizer state, read with
+  ``opt_state_of(state)`` and replaced with ``with_opt_state(state,
+  opt_state)`` (``(params, opt_state)`` for :func:`recovering_step`, a
+  ``jaxmp.flax.TrainState`` for ``recovering_train_step``). Returns the
+  state and ``out`` of the last attempt and its :class:`jaxmp.RecoveryInfo`.
   """
-  def opt_state_of(state):
-    return state[1]
-
-  def with_opt_state(state, opt_state):
-    return state[0], opt_state
-
-  original = _find_state(opt_state_of(state), _CALLER)  # warns if misplaced
-  _refuse_accumulation(opt_state_of(state))
+  original = _find_state(opt_state_of(state), caller)  # warns if misplaced
+  _refuse_accumulation(opt_state_of(state), caller)
   scale = jax.tree_util.tree_map(jnp.asarray, original.loss_scale)
   backs_off = not isinstance(scale, (StaticLossScale, NoOpLossScale))
   in_training_precision = 1 + (recover.max_retries if backs_off else 0)

@@ -450,14 +450,7 @@ class TrainState(train_state.TrainState):
     fallback_fun = None
     if recover is not None:
       recover = check_recover(recover, "TrainState.value_and_grad")
-      fallback = fallback_policy(recover, "TrainState.value_and_grad")
-      fallback_fun = recover.fallback
-      if fallback is not None:
-
-        def fallback_fun(params, *args, **kwargs):
-          params = fallback.params_for_compute(params)
-          with apply_policy_override(fallback):
-            return fallback.cast_to_output(loss_fn(params, *args, **kwargs))
+      fallback_fun = fallback_loss(loss_fn, recover, "TrainState.value_and_grad")
 
     grad_fn = scale_then_differentiate(
         jax.value_and_grad, run, self.loss_scale, argnums=0, has_aux=has_aux,
@@ -469,6 +462,30 @@ class TrainState(train_state.TrainState):
     return warn_on_first_trace(
         grad_fn, run, compute_dtype=io_policy.compute_dtype,
         caller="TrainState.value_and_grad", names_from=loss_fn)
+
+
+def fallback_loss(loss_fn: Callable[..., Any], recover: Recover,
+                  caller: str) -> Callable[..., Any] | None:
+  """The loss of ``recover``'s fallback attempt, or None without a fallback.
+
+  A policy fallback runs ``loss_fn`` under that policy (its compute dtype for
+  the params, ``state.apply_fn`` under it, the loss in its output dtype); a
+  callable fallback is returned as it is.
+
+  Raises:
+    ValueError: if the fallback policy computes in bfloat16 where it is not
+      native (:func:`jaxmp.hardware_report`).
+  """
+  fallback = fallback_policy(recover, caller)
+  if fallback is None:
+    return recover.fallback
+
+  def fallback_fun(params, *args, **kwargs):
+    params = fallback.params_for_compute(params)
+    with apply_policy_override(fallback):
+      return fallback.cast_to_output(loss_fn(params, *args, **kwargs))
+
+  return fallback_fun
 
 
 def _fp8_value_and_grad(self, run, loss_fn, has_aux, io_policy):
