@@ -1,5 +1,7 @@
 """Recovering a non-finite batch inside the step (jaxmp.Recover)."""
 
+from typing import Any
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -8,6 +10,7 @@ import optax
 import pytest
 
 import jaxmp
+import jaxmp.flax
 
 F16 = jnp.float16
 # The fp16 backward pass computes scale * x * cos(w): with x = 6 it is over
@@ -229,7 +232,8 @@ def test_multi_steps_adopts_the_recovered_scale_for_the_whole_accumulation():
 # -- TrainState and NNX ----------------------------------------------------------
 
 
-def test_train_state_policy_fallback_runs_the_loss_in_float32():
+@pytest.mark.parametrize("form", ("value_and_grad", "recovering_train_step"))
+def test_train_state_policy_fallback_runs_the_loss_in_float32(form):
   import flax.linen as nn
 
   model = nn.Dense(1, use_bias=False)
@@ -242,11 +246,15 @@ def test_train_state_policy_fallback_runs_the_loss_in_float32():
   def loss_fn(params, x):
     return jnp.mean(state.apply_fn({"params": params}, x) ** 2)
 
+  recover = jaxmp.Recover(max_retries=2, fallback="float32")
+
   @jax.jit
   def step(state, x):
-    loss, grads, recovery = state.value_and_grad(
-        loss_fn, recover=jaxmp.Recover(max_retries=2, fallback="float32"))(
-            state.params, x)
+    if form == "recovering_train_step":
+      return jaxmp.flax.recovering_train_step(
+          lambda params, state, x: loss_fn(params, x), recover)(state, x)
+    loss, grads, recovery = state.value_and_grad(loss_fn, recover=recover)(
+        state.params, x)
     return state.apply_gradients(grads=grads, recovery=recovery), loss, recovery
 
   state, loss, recovery = step(state, x)
@@ -280,6 +288,94 @@ def test_nnx_recovery_passes_through_the_optimizer_and_keeps_batch_stats_of_the_
   assert int(metrics["recovered_steps"]) == 1 and int(metrics["lost_steps"]) == 0
   assert bool(jnp.all(jnp.isfinite(model.layers[1].mean[...])))
   assert not bool(jnp.all(model.layers[1].mean[...] == 0))  # written back
+
+
+# -- The whole TrainState step in the loop (jaxmp.flax.recovering_train_step) ----
+
+
+class FieldState(jaxmp.flax.TrainState):
+  seen: Any  # a field written through apply_gradients, like batch_stats
+
+
+def state_loss(params, state, x):  # aux: the new value of the field
+  return overflowing_loss(params["w"], x), state.seen + x
+
+
+def train_state(scale, loss_scale=jaxmp.DynamicLossScale):
+  return FieldState.create(
+      apply_fn=None, params={"w": W}, tx=optax.adam(1e-2), policy="mixed_float16",
+      loss_scale=loss_scale(scale), seen=jnp.zeros(8))
+
+
+@jax.jit
+def plain_train_step(state, x):
+  (loss, seen), grads = state.value_and_grad(state_loss, has_aux=True)(
+      state.params, state, x)
+  return state.apply_gradients(grads=grads, seen=seen), loss
+
+
+def recovering_train_step(recover):
+  return jax.jit(jaxmp.flax.recovering_train_step(
+      state_loss, recover, has_aux=True, fields=lambda seen: {"seen": seen}))
+
+
+def assert_states_equal(state, expected):
+  chex.assert_trees_all_equal(
+      (state.step, state.params, state.opt_state.inner_state, state.seen),
+      (expected.step, expected.params, expected.opt_state.inner_state, expected.seen))
+
+
+def test_train_state_recovering_step_applies_the_update_of_the_lower_scale():
+  step = recovering_train_step(jaxmp.Recover(max_retries=4))
+  state, (loss, _), recovery = step(train_state(2.0**15), OVERFLOWS)
+  assert int(recovery.retries) == 2 and bool(recovery.finite)
+  metrics = state.metrics
+  assert int(metrics["recovered_steps"]) == 1
+  assert int(metrics["skipped_steps"]) == int(metrics["lost_steps"]) == 0
+  # The plain step run directly at 2**13: the same program, so the same bits,
+  # the field written once and the step counted once.
+  direct, direct_loss = plain_train_step(train_state(2.0**13), OVERFLOWS)
+  assert_states_equal(state, direct)
+  chex.assert_trees_all_equal(loss, direct_loss)
+  assert state.loss_scale == direct.loss_scale
+  assert int(state.step) == 1
+
+
+def test_train_state_recovering_step_loses_a_nan_batch_with_every_field_bit_identical():
+  state0, _ = plain_train_step(train_state(2.0**15), FINITE)
+  step = recovering_train_step(jaxmp.Recover(max_retries=3, fallback="float32"))
+  state, _, recovery = step(state0, FINITE.at[3].set(jnp.nan))
+  assert int(recovery.retries) == 3 and bool(recovery.fell_back)
+  assert not bool(recovery.finite)
+  assert_states_equal(state, state0.replace(step=state0.step + 1))
+  metrics = state.metrics
+  assert int(metrics["lost_steps"]) == int(metrics["skipped_steps"]) == 1
+  assert int(metrics["recovered_steps"]) == int(metrics["fallback_steps"]) == 0
+  assert float(metrics["loss_scale"]) == 2.0**15 / 2**4
+
+
+def test_train_state_recovering_step_when_finite_is_the_plain_step_without_retrace_or_transfer():
+  recovering = jaxmp.flax.recovering_train_step(
+      state_loss, jaxmp.Recover(max_retries=4, fallback="float32"), has_aux=True,
+      fields=lambda seen: {"seen": seen})
+  chex.clear_trace_counter()
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(state, x):
+    return recovering(state, x)
+
+  state = plain = train_state(2.0**10)
+  state, x = jax.device_put((state, FINITE))
+  for _ in range(2):  # the second call neither retraces nor transfers
+    with jax.transfer_guard("disallow"):
+      state, (loss, _), recovery = step(state, x)
+    plain, plain_loss = plain_train_step(plain, x)
+    assert_states_equal(state, plain)
+    chex.assert_trees_all_equal(loss, plain_loss)
+    assert state.loss_scale == plain.loss_scale
+  assert int(recovery.retries) == 0 and not bool(recovery.fell_back)
+  assert int(state.metrics["recovered_steps"]) == 0
 
 
 # -- Devices -------------------------------------------------------------------
@@ -375,6 +471,36 @@ def test_a_finite_step_with_recovery_costs_within_half_a_percent_of_plain():
       {k: steps[k] for k in ("plain", "recovering_step")}, state, batch)
   for key in ("bytes_accessed", "temp_bytes", "peak_live_bytes"):
     assert figures["recovering_step"][key] <= 1.005 * figures["plain"][key], key
+
+
+@pytest.mark.standard_promotion(
+    reason="the benchmark transformer is examples/train_lm.py's model, whose "
+           "float16 attention meets Flax's float32 softmax (as in the demo)")
+# The benchmark's model declares its layers' dtypes, which the audit of
+# TrainState.value_and_grad reports; both steps run the same model.
+@pytest.mark.filterwarnings("ignore::jaxmp.PrecisionWarning")
+def test_a_finite_train_state_recovering_step_costs_within_half_a_percent_of_plain():
+  # jaxmp.flax.recovering_train_step against the plain TrainState step
+  # (value_and_grad, apply_gradients) on the same reduced transformer.
+  recovery = _benchmark()
+  args = recovery.build_parser().parse_args(
+      ["--d-model", "32", "--layers", "1", "--seq-len", "16", "--batch-size", "2"])
+  loss16, _, params = recovery.loss_fns(args)
+  loss_fn = lambda params, state, batch: loss16(params, batch)
+  state = jaxmp.flax.TrainState.create(
+      apply_fn=None, params=params, tx=optax.adamw(1e-3), policy="mixed_float16",
+      loss_scale=jaxmp.DynamicLossScale(recovery.INITIAL_SCALE))
+  recovering = jaxmp.flax.recovering_train_step(
+      loss_fn, jaxmp.Recover(max_retries=recovery.MAX_RETRIES))
+
+  def plain(state, batch):
+    loss, grads = state.value_and_grad(loss_fn)(state.params, state, batch)
+    return state.apply_gradients(grads=grads), loss
+
+  steps = {"plain": plain, "recovering": lambda state, batch: recovering(state, batch)[:2]}
+  figures = recovery.compile_figures(steps, state, jnp.zeros((2, 17), jnp.int32))
+  for key in ("bytes_accessed", "temp_bytes", "peak_live_bytes"):
+    assert figures["recovering"][key] <= 1.005 * figures["plain"][key], key
 
 
 def test_the_peak_counts_a_buffer_shared_by_two_values_once():
