@@ -1308,6 +1308,62 @@ FP8_CASES = [
 CASES += FP8_CASES
 
 
+# -- Recovery: the whole TrainState step in the loop (recovering_train_step) ---------
+
+
+def train_step_call(state, **kwargs):
+  """A call of jaxmp.flax.recovering_train_step's step on ``state``."""
+  step = jaxmp.flax.recovering_train_step(
+      lambda params, state: (jnp.sum(params["w"]), params["w"]), has_aux=True, **kwargs)
+  return lambda: step(state)
+
+
+def plain_train_state():
+  return jaxmp.flax.TrainState.create(
+      apply_fn=None, params=PARAMS, tx=optax.sgd(0.1), policy="mixed_float16")
+
+
+RECOVERING_TRAIN_STEP_CASES = [
+    Case("recovering_train_step: recover is not a Recover",
+         lambda: jaxmp.flax.recovering_train_step(jnp.sum, "yes"), TypeError,
+         r"recovering_train_step\(recover='yes'\): recover must be a jaxmp\.Recover",
+         r"recover=jaxmp\.Recover\(max_retries=4"),
+    Case("recovering_train_step: an axis name on Recover",
+         lambda: jaxmp.flax.recovering_train_step(
+             jnp.sum, jaxmp.Recover(axis_name="batch")), ValueError,
+         r"Recover\(axis_name='batch'\)\): the retries follow the optimizer's own",
+         r"TrainState\.create\(\.\.\., axis_name='batch'\), and drop it from Recover"),
+    Case("recovering_train_step: a bfloat16 fallback without native bfloat16",
+         lambda: jaxmp.flax.recovering_train_step(
+             jnp.sum, jaxmp.Recover(fallback="mixed_bfloat16")), ValueError,
+         r"computes in bfloat16, which is not native on this cpu device",
+         r"Fall back to 'float32' here"),
+    Case("recovering_train_step: fields is not a function",
+         lambda: jaxmp.flax.recovering_train_step(
+             jnp.sum, has_aux=True, fields={"batch_stats": None}), TypeError,
+         r"fields must be a function of the aux.*got \{'batch_stats': None\}",
+         r"fields=lambda aux: \{'batch_stats': aux\['batch_stats'\]\}"),
+    Case("recovering_train_step: fields without has_aux",
+         lambda: jaxmp.flax.recovering_train_step(jnp.sum, fields=dict), ValueError,
+         r"computes the fields from the loss function's aux, but has_aux is False",
+         r"pass has_aux=True"),
+    Case("recovering_train_step: fields(aux) is not a dict",
+         train_step_call(plain_train_state(), fields=lambda aux: aux), TypeError,
+         r"fields\(aux\) must return a dict of field names to new values",
+         r"\{'batch_stats': aux\['batch_stats'\]\}"),
+    Case("recovering_train_step: params and an optax state instead of a TrainState",
+         train_step_call(PARAMS), TypeError,
+         r"the step takes a jaxmp\.flax\.TrainState first, got a dict",
+         r"jaxmp\.recovering_step\(loss_fn, tx, recover\)"),
+    Case("recovering_train_step: a state with FP8 meta",
+         train_step_call(fp8_state(fp8_meta={"x": jnp.ones(1)})), ValueError,
+         r"does not support FP8 meta: a retry at a backed-off scale",
+         r"Train the FP8 state with state\.value_and_grad and state\.apply_gradients"),
+]
+
+CASES += RECOVERING_TRAIN_STEP_CASES
+
+
 def test_the_catalogue_is_large_and_distinct():
   names = [case.name for case in CASES]
   assert len(names) == len(set(names))
