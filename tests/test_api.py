@@ -37,7 +37,8 @@ PUBLIC = {
 }
 
 FLAX_PUBLIC = {
-    "TrainState", "ModulePolicy", "nnx_scaled_value_and_grad", "nnx_keep_on_skip",
+    "TrainState", "recovering_train_step", "ModulePolicy", "nnx_scaled_value_and_grad",
+    "nnx_keep_on_skip",
     "save_checkpoint", "restore_checkpoint", "loss_scale_config",
     "find_overflowing_modules", "OverflowReport",
 }
