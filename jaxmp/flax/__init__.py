@@ -6,7 +6,9 @@
   batch inside the step.
 * For NNX, ``nnx.Optimizer(model, jaxmp.loss_scaling(...), wrt=nnx.Param)``
   works as it is; :func:`nnx_scaled_value_and_grad` gives the scaled gradients
-  and :func:`nnx_keep_on_skip` keeps the BatchNorm statistics on skipped steps.
+  and :func:`nnx_keep_on_skip` keeps the BatchNorm statistics on skipped steps;
+  :func:`nnx_recovering_step` builds the NNX step that recovers a non-finite
+  batch inside the step.
 * :class:`ModulePolicy` runs chosen modules (``nn.LayerNorm``, ``"head"``) under
   their own policy, for Linen and NNX models.
 * :func:`save_checkpoint` / :func:`restore_checkpoint` use orbax and check the
@@ -28,6 +30,7 @@ from jaxmp._src.flax.checkpoint import (
 from jaxmp._src.flax import fallback as _fallback  # noqa: F401  (registers the Flax targets)
 from jaxmp._src.flax.module_policy import ModulePolicy
 from jaxmp._src.flax.nnx import nnx_keep_on_skip, nnx_scaled_value_and_grad
+from jaxmp._src.flax.nnx_recovering_step import nnx_recovering_step
 from jaxmp._src.flax.promotion import OverflowReport, find_overflowing_modules
 from jaxmp._src.flax.recovering_train_step import recovering_train_step
 from jaxmp._src.flax.train_state import TrainState
@@ -38,6 +41,7 @@ __all__ = [
     "ModulePolicy",
     "nnx_scaled_value_and_grad",
     "nnx_keep_on_skip",
+    "nnx_recovering_step",
     "save_checkpoint",
     "restore_checkpoint",
     "loss_scale_config",

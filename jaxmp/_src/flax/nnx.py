@@ -192,14 +192,7 @@ def _recovering(fun, loss_scale, argnums, has_aux, recover):
         f"{caller} expects a loss scale as its second argument, got a "
         f"{type(loss_scale).__name__}. With an nnx.Optimizer, pass "
         "jaxmp.get_loss_scale(optimizer.opt_state).")
-  recover = check_recover(recover, caller)
-  if recover.fallback is not None and not callable(recover.fallback):
-    raise TypeError(
-        f"{caller}: the recovery fallback {recover.fallback} is a policy, but "
-        "an NNX model fixes its dtypes in its layers, so a policy cannot be "
-        "applied from outside. Pass a function with the loss function's "
-        "signature that computes in the fallback precision, e.g. one that "
-        "runs a float32 twin of the model: jaxmp.Recover(fallback=loss_fn_f32).")
+  recover = check_function_fallback(check_recover(recover, caller), caller)
   differentiate = differentiator(
       nnx.value_and_grad, argnums=argnums, has_aux=has_aux, caller=caller)
   grad_at = differentiate(fun)
@@ -223,6 +216,22 @@ def _recovering(fun, loss_scale, argnums, has_aux, recover):
     return out, grads, recovery
 
   return value_and_grad_fn
+
+
+def check_function_fallback(recover: Recover, caller: str) -> Recover:
+  """``recover``, whose fallback (if any) must be a function, for NNX.
+
+  Raises:
+    TypeError: if the fallback is a policy.
+  """
+  if recover.fallback is not None and not callable(recover.fallback):
+    raise TypeError(
+        f"{caller}: the recovery fallback {recover.fallback} is a policy, but "
+        "an NNX model fixes its dtypes in its layers, so a policy cannot be "
+        "applied from outside. Pass a function with the loss function's "
+        "signature that computes in the fallback precision, e.g. one that "
+        "runs a float32 twin of the model: jaxmp.Recover(fallback=loss_fn_f32).")
+  return recover
 
 
 @contextlib.contextmanager
