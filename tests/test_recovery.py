@@ -522,3 +522,139 @@ allocation 1: size 12, preallocated-temp:
   Live ranges at 3 (peak):
 """
   assert _benchmark().distinct_peak(ranges, buffers) == 8 + 4 + 4
+
+
+# -- The whole NNX step in the loop (jaxmp.flax.nnx_recovering_step) -------------
+
+
+def nnx_model_and_optimizer(scale):
+  from flax import nnx
+
+  model = nnx.Sequential(
+      nnx.Linear(8, 8, dtype=F16, rngs=nnx.Rngs(0)),
+      nnx.BatchNorm(8, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+  optimizer = nnx.Optimizer(
+      model, jaxmp.loss_scaling(optax.adam(1e-3), jaxmp.DynamicLossScale(scale)),
+      wrt=nnx.Param)
+  return model, optimizer
+
+
+def nnx_loss(model, x):  # fp16 kernel grads ~490 * scale with NNX_OVERFLOWS
+  return jnp.sum(model(x) ** 2).astype(jnp.float32)
+
+
+NNX_OVERFLOWS = jnp.full((4, 8), 4.0).at[0].set(8.0)  # finite from 2**7 down
+
+
+def plain_nnx_step():
+  from flax import nnx
+
+  @nnx.jit
+  def step(model, optimizer, x):
+    with jaxmp.flax.nnx_keep_on_skip(model, optimizer):
+      loss, grads = jaxmp.flax.nnx_scaled_value_and_grad(
+          nnx_loss, jaxmp.get_loss_scale(optimizer.opt_state))(model, x)
+      optimizer.update(model, grads)
+    return loss
+  return step
+
+
+def nnx_snapshot(model, optimizer):
+  """Copies of every variable of the model and of the optimizer, as arrays."""
+  from flax import nnx
+
+  return jax.tree_util.tree_map(
+      np.asarray, nnx.as_pure((nnx.state(model), nnx.state(optimizer))))
+
+
+def test_nnx_recovering_step_applies_the_update_of_the_lower_scale():
+  from flax import nnx
+
+  model, optimizer = nnx_model_and_optimizer(2.0**10)
+  step = nnx.jit(jaxmp.flax.nnx_recovering_step(nnx_loss, jaxmp.Recover(8)))
+  loss, recovery = step(model, optimizer, NNX_OVERFLOWS)
+  assert int(recovery.retries) == 3 and bool(recovery.finite)  # 2**10 -> 2**7
+  metrics = jaxmp.loss_scaling_metrics(optimizer.opt_state)
+  assert int(metrics["recovered_steps"]) == 1
+  assert int(metrics["skipped_steps"]) == int(metrics["lost_steps"]) == 0
+  assert int(metrics["fallback_steps"]) == 0
+  # The plain NNX step run directly at 2**7: the same program, so the same
+  # bits, the BatchNorm statistics written once and the step counted once.
+  direct_model, direct_optimizer = nnx_model_and_optimizer(2.0**7)
+  direct_loss = plain_nnx_step()(direct_model, direct_optimizer, NNX_OVERFLOWS)
+  (variables, opt), (direct_variables, direct_opt) = (
+      nnx_snapshot(model, optimizer), nnx_snapshot(direct_model, direct_optimizer))
+  chex.assert_trees_all_equal(variables, direct_variables)
+  chex.assert_trees_all_equal(
+      (opt["step"], opt["opt_state"].inner_state),
+      (direct_opt["step"], direct_opt["opt_state"].inner_state))
+  chex.assert_trees_all_equal(loss, direct_loss)
+  # The loss scale continues as if the overflows had been steps of their own.
+  assert jaxmp.get_loss_scale(optimizer.opt_state) == jaxmp.get_loss_scale(
+      direct_optimizer.opt_state)
+  assert int(optimizer.step[...]) == 1
+  assert not bool(jnp.all(model.layers[1].mean[...] == 0))
+
+
+def test_nnx_recovering_step_loses_a_nan_batch_with_the_model_and_optimizer_bit_identical():
+  from flax import nnx
+
+  model, optimizer = nnx_model_and_optimizer(2.0**7)
+  plain_nnx_step()(model, optimizer, NNX_OVERFLOWS)  # finite at 2**7: all set
+  before = nnx_snapshot(model, optimizer)
+  step = nnx.jit(jaxmp.flax.nnx_recovering_step(
+      nnx_loss, jaxmp.Recover(max_retries=3, fallback=nnx_loss)))
+  _, recovery = step(model, optimizer, NNX_OVERFLOWS.at[1, 3].set(jnp.nan))
+  assert int(recovery.retries) == 3 and bool(recovery.fell_back)
+  assert not bool(recovery.finite)
+  # Params, moments and BatchNorm statistics as they were; the step counted.
+  after = nnx_snapshot(model, optimizer)
+  chex.assert_trees_all_equal(after[0], before[0])
+  chex.assert_trees_all_equal(after[1]["opt_state"].inner_state,
+                              before[1]["opt_state"].inner_state)
+  assert int(optimizer.step[...]) == 2
+  metrics = jaxmp.loss_scaling_metrics(optimizer.opt_state)
+  assert int(metrics["lost_steps"]) == int(metrics["skipped_steps"]) == 1
+  assert int(metrics["recovered_steps"]) == int(metrics["fallback_steps"]) == 0
+  # One backoff per attempt in float16 (the first and three retries).
+  assert float(metrics["loss_scale"]) == 2.0**7 / 2**4
+
+
+@pytest.mark.parametrize("fallback", (None, nnx_loss), ids=("retries", "fallback"))
+def test_nnx_recovering_step_when_finite_is_the_plain_step_without_retrace_or_transfer(
+    fallback):
+  from flax import nnx
+
+  recovering = jaxmp.flax.nnx_recovering_step(
+      nnx_loss, jaxmp.Recover(max_retries=4, fallback=fallback))
+  chex.clear_trace_counter()  # counted per test, not across its parameters
+
+  @nnx.jit
+  @chex.assert_max_traces(n=1)
+  def step(model, optimizer, x):
+    return recovering(model, optimizer, x)
+
+  model, optimizer = nnx_model_and_optimizer(2.0**7)
+  plain_model, plain_optimizer = nnx_model_and_optimizer(2.0**7)
+  plain = plain_nnx_step()
+  x = jax.device_put(NNX_OVERFLOWS)  # finite at 2**7
+  for _ in range(2):  # the second call neither retraces nor transfers
+    with jax.transfer_guard("disallow"):
+      loss, recovery = step(model, optimizer, x)
+    plain_loss = plain(plain_model, plain_optimizer, x)
+    chex.assert_trees_all_equal(loss, plain_loss)
+    got = nnx_snapshot(model, optimizer)
+    expected = nnx_snapshot(plain_model, plain_optimizer)
+    if fallback is None:
+      chex.assert_trees_all_equal(got, expected)
+    else:
+      # With a fallback the forward pass runs in a lax.cond branch, which XLA
+      # fuses on its own: the running statistics' float32 update may differ
+      # in the last bit. The params and the optimizer state do not.
+      chex.assert_trees_all_equal(
+          nnx.state(model, nnx.Param), nnx.state(plain_model, nnx.Param))
+      chex.assert_trees_all_equal(got[1], expected[1])
+      chex.assert_trees_all_close(got[0], expected[0], rtol=1e-6, atol=0)
+  assert int(recovery.retries) == 0 and not bool(recovery.fell_back)
+  metrics = jaxmp.loss_scaling_metrics(optimizer.opt_state)
+  assert int(metrics["recovered_steps"]) == int(metrics["skipped_steps"]) == 0
