@@ -1364,6 +1364,74 @@ RECOVERING_TRAIN_STEP_CASES = [
 CASES += RECOVERING_TRAIN_STEP_CASES
 
 
+# -- Recovery: the whole NNX step in the loop (nnx_recovering_step) ----------------
+
+
+def nnx_step_call(*batch, optimizer_first=False, **kwargs):
+  """A call of jaxmp.flax.nnx_recovering_step's step on a small NNX model."""
+  def call():
+    from flax import nnx
+
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(
+        optax.sgd(0.1), jaxmp.DynamicLossScale()), wrt=nnx.Param)
+    step = jaxmp.flax.nnx_recovering_step(lambda model, x=None: jnp.sum(model.kernel))
+    if optimizer_first:
+      return step(optimizer, model, *batch, **kwargs)
+    return step(model, optimizer, *batch, **kwargs)
+  return call
+
+
+def nnx_step_without_loss_scaling():
+  from flax import nnx
+
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  jaxmp.flax.nnx_recovering_step(lambda model: jnp.sum(model.kernel))(model, optimizer)
+
+
+def nnx_rngs():
+  from flax import nnx
+
+  return nnx.Rngs(1)
+
+
+NNX_RECOVERING_STEP_CASES = [
+    Case("nnx_recovering_step: recover is not a Recover",
+         lambda: jaxmp.flax.nnx_recovering_step(jnp.sum, "yes"), TypeError,
+         r"nnx_recovering_step\(recover='yes'\): recover must be a jaxmp\.Recover",
+         r"recover=jaxmp\.Recover\(max_retries=4"),
+    Case("nnx_recovering_step: an axis name on Recover",
+         lambda: jaxmp.flax.nnx_recovering_step(
+             jnp.sum, jaxmp.Recover(axis_name="batch")), ValueError,
+         r"nnx_recovering_step\(recover=jaxmp\.Recover\(axis_name='batch'\)\)",
+         r"jaxmp\.loss_scaling\(\.\.\., axis_name='batch'\), and drop it from Recover"),
+    Case("nnx_recovering_step: a policy as the fallback",
+         lambda: jaxmp.flax.nnx_recovering_step(
+             jnp.sum, jaxmp.Recover(fallback="float32")), TypeError,
+         r"nnx_recovering_step: the recovery fallback .* is a policy, but an NNX model",
+         r"jaxmp\.Recover\(fallback=loss_fn_f32\)"),
+    Case("nnx_recovering_step: has_aux is not a bool",
+         lambda: jaxmp.flax.nnx_recovering_step(jnp.sum, has_aux="yes"), TypeError,
+         r"nnx_recovering_step: has_aux must be True or False, got 'yes'",
+         r"True or False"),
+    Case("nnx_recovering_step: the optimizer and the model swapped",
+         nnx_step_call(optimizer_first=True), TypeError,
+         r"the step takes the model and its nnx\.Optimizer.*got a Linear second",
+         r"nnx\.Optimizer\(model, jaxmp\.loss_scaling\(tx, loss_scale\), wrt=nnx\.Param\)"),
+    Case("nnx_recovering_step: an nnx.Rngs among the batch arguments",
+         nnx_step_call(x=nnx_rngs()), TypeError,
+         r"the keyword argument 'x' is an NNX object \(Rngs\)",
+         r"Make it an attribute of the model"),
+    Case("nnx_recovering_step: an optimizer without loss scaling",
+         nnx_step_without_loss_scaling, ValueError,
+         r"nnx_recovering_step: no jaxmp\.loss_scaling state found",
+         r"Wrap the optimizer with jaxmp\.loss_scaling"),
+]
+
+CASES += NNX_RECOVERING_STEP_CASES
+
+
 def test_the_catalogue_is_large_and_distinct():
   names = [case.name for case in CASES]
   assert len(names) == len(set(names))

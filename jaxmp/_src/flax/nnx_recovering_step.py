@@ -131,7 +131,7 @@ def nnx_recovering_step(
           f"step(model, optimizer, *batch); got a {type(optimizer).__name__} "
           "second. Build the optimizer with nnx.Optimizer(model, "
           "jaxmp.loss_scaling(tx, loss_scale), wrt=nnx.Param).")
-    _refuse_nnx_objects((args, kwargs))
+    _refuse_nnx_objects(args, kwargs)
     wrt = optimizer.wrt
     graphdef, params, rest = nnx.split(model, wrt, ...)
     state = (nnx.as_pure(params), nnx.as_pure(rest),
@@ -174,16 +174,19 @@ def nnx_recovering_step(
   return step
 
 
-def _refuse_nnx_objects(batch: Any) -> None:
+def _refuse_nnx_objects(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
   """Refuses NNX objects among the batch arguments (the loop cannot update them)."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   nnx_object = lambda x: isinstance(x, (nnx.Pytree, nnx.Variable))
-  for path, leaf in jax.tree_util.tree_leaves_with_path(batch, is_leaf=nnx_object):
-    if nnx_object(leaf):
-      raise TypeError(
-          f"{_CALLER}: the batch argument at {jax.tree_util.keystr(path)} is "
-          f"an NNX object ({type(leaf).__name__}). The retries run in a "
-          "lax.while_loop that carries the model and the optimizer only, so "
-          "an NNX object passed beside them could not be updated. Make it an "
-          "attribute of the model (model.rngs = nnx.Rngs(...)), or pass arrays.")
+  named = [(f"batch argument {i}", arg) for i, arg in enumerate(args)]
+  named += [(f"keyword argument {name!r}", arg) for name, arg in kwargs.items()]
+  for where, arg in named:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(arg, is_leaf=nnx_object):
+      if nnx_object(leaf):
+        raise TypeError(
+            f"{_CALLER}: the {where}{jax.tree_util.keystr(path)} is an NNX "
+            f"object ({type(leaf).__name__}). The retries run in a "
+            "lax.while_loop that carries the model and the optimizer only, so "
+            "an NNX object passed beside them could not be updated. Make it an "
+            "attribute of the model (model.rngs = nnx.Rngs(...)), or pass arrays.")
