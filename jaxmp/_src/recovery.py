@@ -44,7 +44,8 @@ class Recover:
   Pass it as ``recover=`` to :func:`jaxmp.scaled_value_and_grad`,
   :meth:`jaxmp.flax.TrainState.value_and_grad` or
   :func:`jaxmp.flax.nnx_scaled_value_and_grad`, or to the whole-step forms
-  :func:`jaxmp.recovering_step` and :func:`jaxmp.flax.recovering_train_step`. Frozen and hashable: it is
+  :func:`jaxmp.recovering_step`, :func:`jaxmp.flax.recovering_train_step`
+  and :func:`jaxmp.flax.nnx_recovering_step`. Frozen and hashable: it is
   static configuration (a ``jax.jit`` static argument is fine).
 
   When the gradients at the current loss scale are not finite, the same
