@@ -70,6 +70,8 @@ def nnx_scaled_value_and_grad(
       returned ``recovery`` on: ``optimizer.update(model, grads,
       recovery=recovery)`` (``nnx.Optimizer`` passes it to the optimizer).
       With ``autocast``, the fallback runs as given (not under autocast).
+      :func:`jaxmp.flax.nnx_recovering_step` builds the whole step with the
+      retries instead, at no cost on a finite step.
     autocast: ``False`` (the default) to run ``fun`` as written, or the
       policy to run it under :func:`jaxmp.autocast` with: a
       :class:`jaxmp.Policy` or anything :func:`jaxmp.get_policy` accepts
