@@ -620,6 +620,35 @@ def test_nnx_recovering_step_loses_a_nan_batch_with_the_model_and_optimizer_bit_
   assert float(metrics["loss_scale"]) == 2.0**7 / 2**4
 
 
+def test_nnx_recovering_step_falls_back_and_returns_the_aux_of_the_applied_attempt():
+  # fp16 overflows in the forward pass (x = 2**16 > 65504): no scale helps;
+  # the fallback computes the same model in float32.
+  from flax import nnx
+
+  model = nnx.Linear(8, 1, use_bias=False, dtype=F16, rngs=nnx.Rngs(0))
+  kernel = model.kernel[...]
+  optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(
+      optax.sgd(2.0**-20), jaxmp.DynamicLossScale(2.0**3, min_loss_scale=1.0)),
+      wrt=nnx.Param)
+  # aux: 0 from the float16 loss, 1 from the float32 fallback.
+  loss16 = lambda model, x: (jnp.sum(model(x)).astype(jnp.float32), jnp.zeros([]))
+  loss32 = lambda model, x: (jnp.sum(x @ model.kernel[...]), jnp.ones([]))
+  step = nnx.jit(jaxmp.flax.nnx_recovering_step(
+      loss16, jaxmp.Recover(max_retries=6, fallback=loss32), has_aux=True))
+  x = jnp.full((2, 8), 2.0**16)
+  (loss, aux), recovery = step(model, optimizer, x)
+  assert bool(recovery.fell_back) and bool(recovery.finite)
+  assert int(recovery.retries) == 6
+  assert float(aux) == 1.0  # the aux of the attempt applied: the fallback's
+  assert float(loss) == float(jnp.sum(x @ kernel))
+  metrics = jaxmp.loss_scaling_metrics(optimizer.opt_state)
+  assert int(metrics["fallback_steps"]) == int(metrics["recovered_steps"]) == 1
+  assert int(metrics["lost_steps"]) == 0
+  # The float32 update, unscaled by 1: kernel - 2**-20 * (2 * 2**16).
+  np.testing.assert_array_equal(model.kernel[...], kernel - 2.0**-3)
+  assert int(optimizer.step[...]) == 1
+
+
 @pytest.mark.parametrize("fallback", (None, nnx_loss), ids=("retries", "fallback"))
 def test_nnx_recovering_step_when_finite_is_the_plain_step_without_retrace_or_transfer(
     fallback):
