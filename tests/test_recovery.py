@@ -726,3 +726,26 @@ def test_a_finite_nnx_recovering_step_costs_within_half_a_percent_of_plain():
   figures = _benchmark().compile_figures(steps, state, jnp.ones((32, 64), F16))
   for key in ("bytes_accessed", "temp_bytes", "peak_live_bytes"):
     assert figures["recovering"][key] <= 1.005 * figures["plain"][key], key
+
+
+def test_eight_devices_under_sharded_jit_agree_on_each_retry_of_the_nnx_step():
+  from flax import nnx
+
+  mesh = jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("batch"))
+  # One row per device; device 5's row stands out (with all rows equal the
+  # BatchNorm output, and the gradients, would vanish).
+  x = jax.device_put(jnp.full((8, 8), 4.0).at[5].set(8.0), rows)
+  model, optimizer = nnx_model_and_optimizer(2.0**10)
+  step = nnx.jit(jaxmp.flax.nnx_recovering_step(nnx_loss, jaxmp.Recover(8)))
+  _, recovery = step(model, optimizer, x)
+  retries = int(recovery.retries)
+  assert retries == 6 and bool(recovery.finite)  # 2**10 -> 2**4
+  # Every device's rows were used at the one scale they agreed on.
+  direct_model, direct_optimizer = nnx_model_and_optimizer(2.0**(10 - retries))
+  plain_nnx_step()(direct_model, direct_optimizer, x)
+  chex.assert_trees_all_equal(
+      jax.tree_util.tree_map(np.asarray, nnx.state(model, nnx.Param)),
+      jax.tree_util.tree_map(np.asarray, nnx.state(direct_model, nnx.Param)))
+  assert jaxmp.get_loss_scale(optimizer.opt_state) == jaxmp.get_loss_scale(
+      direct_optimizer.opt_state)
