@@ -170,17 +170,19 @@ def recovering_step(
   return step
 
 
-def check_whole_step_recover(recover: Any, caller: str, *, optimizer: str) -> Recover:
+def check_whole_step_recover(recover: Any, caller: str, *, optimizer: str,
+                             fallback: str = "loss_fn_f32") -> Recover:
   """``recover``, checked for a whole-step retry loop.
 
-  ``optimizer`` is where the axis name goes instead, a format string for
+  ``fallback`` is the fallback the error's example shows. ``optimizer`` is
+  where the axis name goes instead, a format string for
   the name (``"jaxmp.loss_scaling(..., axis_name={!r})"``).
 
   Raises:
     TypeError: if ``recover`` is not a :class:`jaxmp.Recover`.
     ValueError: if it has an ``axis_name``.
   """
-  recover = check_recover(recover, caller)
+  recover = check_recover(recover, caller, optional=False, fallback=fallback)
   if recover.axis_name is not None:
     raise ValueError(
         f"{caller}(recover=jaxmp.Recover(axis_name={recover.axis_name!r})): "

@@ -165,12 +165,19 @@ class RecoveryInfo(NamedTuple):
   finite: jax.Array
 
 
-def check_recover(recover: Any, caller: str) -> Recover:
-  """``recover`` if it is a :class:`Recover`; refuses anything else."""
+def check_recover(recover: Any, caller: str, *, optional: bool = True,
+                  fallback: str = "'float32'") -> Recover:
+  """``recover`` if it is a :class:`Recover`; refuses anything else.
+
+  ``optional`` says whether the caller also takes ``recover=None``, and
+  ``fallback`` is the fallback its example shows (a function where policies
+  are not accepted).
+  """
   if not isinstance(recover, Recover):
     raise TypeError(
         f"{caller}(recover={recover!r}): recover must be a jaxmp.Recover, e.g. "
-        "recover=jaxmp.Recover(max_retries=4, fallback='float32'), or None.")
+        f"recover=jaxmp.Recover(max_retries=4, fallback={fallback})"
+        + (", or None." if optional else "."))
   return recover
 
 

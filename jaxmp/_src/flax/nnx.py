@@ -194,7 +194,8 @@ def _recovering(fun, loss_scale, argnums, has_aux, recover):
         f"{caller} expects a loss scale as its second argument, got a "
         f"{type(loss_scale).__name__}. With an nnx.Optimizer, pass "
         "jaxmp.get_loss_scale(optimizer.opt_state).")
-  recover = check_function_fallback(check_recover(recover, caller), caller)
+  recover = check_function_fallback(
+      check_recover(recover, caller, fallback="loss_fn_f32"), caller)
   differentiate = differentiator(
       nnx.value_and_grad, argnums=argnums, has_aux=has_aux, caller=caller)
   grad_at = differentiate(fun)

@@ -114,7 +114,8 @@ def recovering_train_step(
     (1, 1)
   """
   recover = check_whole_step_recover(
-      recover, _CALLER, optimizer="TrainState.create(..., axis_name={!r})")
+      recover, _CALLER, optimizer="TrainState.create(..., axis_name={!r})",
+      fallback="'float32'")
   has_aux = check_bool(_CALLER, "has_aux", has_aux)
   if fields is not None and not callable(fields):
     raise TypeError(
