@@ -724,6 +724,11 @@ def train(run_name: str, config: Config, train_text, val_text,
   fallback = fallback_controller(policy_name) if falls_back else None
   policy = jaxmp.get_policy(policy_name)
   fp8 = isinstance(policy, jaxmp.Fp8Policy)
+  if fp8 and (falls_back or recovers or gradients is not scaled_gradients):
+    raise ValueError(
+        f"{run_name}: an FP8 run trains its TrainState step "
+        "(make_fp8_train_step), without +fallback, +recover or gradients=; "
+        f"train {policy_name} alone.")
   model = make_model(config.d_model, config.layers, config.heads, config.seq_len)
   recover = recover_config(config, model) if recovers else None
   rng = np.random.default_rng(config.seed)
