@@ -21,7 +21,8 @@ $(VENV)/.installed-test: pyproject.toml | $(PY)
 	touch $@
 
 # Trains a small transformer LM in float32, bfloat16 and float16 (about 3 min
-# on a 2-core CPU); flags through DEMO_ARGS, e.g. DEMO_ARGS="--steps 2000".
+# on a 2-core CPU); flags through DEMO_ARGS, e.g. DEMO_ARGS="--steps 2000", or
+# DEMO_ARGS="--fp8" to add an FP8 run (emulated on a CPU: numerics, not speed).
 demo: $(VENV)/.installed-examples
 	$(PY) examples/train_lm.py $(DEMO_ARGS)
 

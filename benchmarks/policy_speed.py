@@ -1,14 +1,18 @@
-"""Step time of float32, bfloat16 and float16 compute for the same model.
+"""Step time of float32, bfloat16, float16 and FP8 compute for the same model.
 
 Runs the guarded train step of ``examples/train_lm.py`` (a ~4M-parameter
 byte-level transformer, adamw, float32 master parameters, donated state)
-under the ``float32``, ``mixed_bfloat16`` and ``mixed_float16`` policies, in
-interleaved rounds in one process, and reports each median step time as a
-ratio to float32, with the compiler's figures.
+under the ``float32``, ``mixed_bfloat16``, ``mixed_float16`` and
+``mixed_fp8`` policies, in interleaved rounds in one process, and reports
+each median step time as a ratio to float32, with the compiler's figures.
+The FP8 step is the demo's ``jaxmp.flax.TrainState`` step (the FP8 meta
+carried and guarded); the JSON also holds its ratio to bfloat16.
 
 Half precision pays off on accelerators with fast half-precision units (GPU
-tensor cores, TPU MXUs). On a CPU, XLA converts bfloat16 and float16 matrix
-products to float32 and rounds the results, so expect no speed-up there.
+tensor cores, TPU MXUs), FP8 on NVIDIA GPUs of compute capability 8.9 and
+above. On a CPU, XLA converts bfloat16 and float16 matrix products to float32
+and rounds the results, and emulates FP8, so expect no speed-up there: the
+FP8 row's time says nothing about FP8 on a GPU.
 
 Usage::
 
@@ -36,7 +40,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import overhead  # pylint: disable=wrong-import-position
 import train_lm  # pylint: disable=wrong-import-position
 
-POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+POLICIES = ("float32", "mixed_bfloat16", "mixed_float16", train_lm.FP8_POLICY)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -56,10 +60,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
   figures, compiled_steps, states = {}, {}, {}
   for name in POLICIES:
     policy = jaxmp.get_policy(name)
-    tx = train_lm.make_optimizer(config, policy)
-    params = jax.tree_util.tree_map(lambda x: x.copy(), init_params)
-    state = (params, tx.init(params))
-    step = train_lm.make_train_step(train_lm.make_loss_fn(model, policy), tx)
+    if isinstance(policy, jaxmp.Fp8Policy):  # the demo's TrainState step
+      state = (train_lm.make_fp8_state(config, model, policy, batch[:, :-1]),)
+      step = train_lm.make_fp8_train_step()
+    else:
+      tx = train_lm.make_optimizer(config, policy)
+      params = jax.tree_util.tree_map(lambda x: x.copy(), init_params)
+      state = (params, tx.init(params))
+      step = train_lm.make_train_step(train_lm.make_loss_fn(model, policy), tx)
     started = time.perf_counter()
     compiled = step.lower(*state, batch).compile()
     figures[name] = overhead.compiler_figures(compiled)
@@ -95,6 +103,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         [t / b for t, b in zip(step_seconds[name], base)])
     f["tokens_per_second"] = (
         args.batch_size * args.seq_len / f["step_seconds_median"])
+  bf16 = step_seconds["mixed_bfloat16"]
+  figures[train_lm.FP8_POLICY]["time_ratio_vs_bfloat16"] = statistics.median(
+      [t / b for t, b in zip(step_seconds[train_lm.FP8_POLICY], bf16)])
   return {
       "config": {k: v for k, v in vars(args).items() if k != "out"},
       "parameters": int(n_params),
@@ -123,13 +134,23 @@ def markdown(results: dict[str, Any]) -> str:
       "on GPUs with tensor cores and on TPUs."
       if platform == "cpu" else f"Accelerator: {machine['device_kind']}."
   )
+  fp8 = [f for f in results["policies"].values() if ",dot=fp8" in f["policy"]]
+  if fp8 and platform == "cpu":
+    note += (" The CPU emulates FP8 (each float8 matmul is converted to a "
+             "wider type), so the FP8 row's time says nothing about FP8 on a "
+             "GPU; FP8 runs natively on NVIDIA GPUs of compute capability 8.9 "
+             "and above.")
+  elif fp8 and "time_ratio_vs_bfloat16" in fp8[0]:
+    note += (f" FP8 step time vs bfloat16: "
+             f"{fp8[0]['time_ratio_vs_bfloat16']:.2f}×.")
   lines += [
       "",
       f"Model: {results['parameters']:,}-parameter byte-level transformer "
       f"(d_model {config['d_model']}, {config['layers']} layers), batch "
       f"{config['batch_size']}×{config['seq_len']}, the guarded train step of "
       "examples/train_lm.py (adamw, float32 master params, donated state; "
-      "dynamic loss scaling for float16). Median of the per-round ratios over "
+      "dynamic loss scaling for float16; FP8 through jaxmp.flax.TrainState "
+      "with its meta). Median of the per-round ratios over "
       f"{config['rounds']} interleaved rounds of {config['steps_per_round']} steps.",
       "",
       f"Machine: {platform} ({machine['device_kind']}, {machine['cpu_count']} "

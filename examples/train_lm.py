@@ -19,6 +19,13 @@ Usage::
   python examples/train_lm.py --fp16-spike 100              # float16 fails for real
   python examples/train_lm.py --fp16-spike 100 --fallback   # ... and falls back
   python examples/train_lm.py --policy mixed_float16 --init-scale '2**24' --recover
+  python examples/train_lm.py --fp8        # ... and FP8 matmuls (mixed_fp8)
+
+FP8 (``--fp8`` or ``--policy mixed_fp8``) runs the matmuls of the Dense
+layers and of the attention projections in float8 with delayed scaling,
+through ``jaxmp.flax.ModulePolicy`` and ``jaxmp.flax.TrainState`` (which keeps
+the FP8 meta). On a CPU, XLA emulates FP8: the run shows FP8's numerics (its
+loss curve against bfloat16 and float32), not its speed.
 
 Writes ``runs/<timestamp>/metrics.json`` and ``runs/<timestamp>/loss.png``
 and prints a summary table.
@@ -43,6 +50,12 @@ from collections.abc import Sequence
 from typing import Any
 
 COMPARED_POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
+FP8_POLICY = "mixed_fp8"  # what --fp8 adds
+# The FP8 meta collection of Flax's fp8_ops (scales and amax histories).
+FP8_META = "_overwrite_with_gradient"
+FP8_NOTE = ("On a CPU, XLA emulates FP8: compare FP8's losses, not its "
+            "tokens/s (FP8 runs natively on NVIDIA GPUs of compute "
+            "capability 8.9 and above).")
 VALIDATION_FRACTION = 0.05
 # --fp16-spike: at that step the token embeddings are multiplied by
 # SPIKE_FACTOR, as a divergence blows up the residual stream of a pre-LayerNorm
@@ -108,8 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument(
       "--policy", default="compare",
       help="compare (float32, mixed_bfloat16 and mixed_float16 in turn), "
-      "float32, mixed_bfloat16, mixed_float16, auto, or any jaxmp policy "
-      "string such as p=f32,c=bf16,o=f32",
+      "float32, mixed_bfloat16, mixed_float16, mixed_fp8, auto, or any jaxmp "
+      "policy string such as p=f32,c=bf16,o=f32",
+  )
+  parser.add_argument(
+      "--fp8", action="store_true",
+      help=f"also train {FP8_POLICY} (FP8 matmuls with delayed scaling, "
+      "through jaxmp.flax.TrainState); on a CPU XLA emulates FP8, so this "
+      "shows FP8's loss, not its speed, and the run takes longer",
   )
   parser.add_argument(
       "--data", default=None,
@@ -211,6 +230,9 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], Config]:
           "and mixed_float16 in turn."
       ) from None
     policies = [args.policy]
+  fp8 = [p for p in policies if isinstance(jaxmp.get_policy(p), jaxmp.Fp8Policy)]
+  if args.fp8 and not fp8:
+    policies.append(FP8_POLICY)
   positive = ("steps", "batch_size", "seq_len", "d_model", "layers", "heads",
               "scale_period", "eval_every", "eval_batches", "max_bytes")
   for name in positive:
@@ -228,8 +250,16 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], Config]:
         f"--fp16-spike must be a step from 1 to --steps ({args.steps}), got "
         f"{args.fp16_spike}."
     )
-  scaled = [p for p in policies if jaxmp.get_policy(p).needs_loss_scaling]
+  scaled = [p for p in policies if jaxmp.get_policy(p).needs_loss_scaling
+            and p not in fp8]
   for flag, given in (("--fallback", args.fallback), ("--recover", args.recover)):
+    scaled_fp8 = [p for p in fp8 if jaxmp.get_policy(p).needs_loss_scaling]
+    if given and scaled_fp8:
+      raise UsageError(
+          f"{flag} does not cover FP8 runs ({', '.join(scaled_fp8)}): they "
+          "train through jaxmp.flax.TrainState with their FP8 meta; use a "
+          "float16 policy without dot=fp8, such as mixed_float16."
+      )
     if given and not scaled:
       raise UsageError(
           f"{flag} watches float16 runs, but no policy of this run computes "
@@ -411,43 +441,59 @@ def make_model(d_model: int, num_layers: int, num_heads: int, max_len: int,
   )
 
 
-def make_loss_fn(model, policy):
-  """The mean next-byte cross entropy, computed under ``policy``."""
+def next_byte_loss(logits, targets):
+  """The mean cross entropy of the next byte, in float32."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
+
+  return optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), targets).mean()
+
+
+def make_loss_fn(model, policy):
+  """The mean next-byte cross entropy, computed under ``policy``."""
 
   def loss_fn(params, batch):
     inputs, targets = batch[:, :-1], batch[:, 1:]
     logits = model.apply({"params": policy.cast_to_compute(params)}, inputs)
-    logits = policy.cast_to_output(logits).astype(jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    return next_byte_loss(policy.cast_to_output(logits), targets)
 
   return loss_fn
 
 
-def make_optimizer(config: Config, policy):
-  """AdamW with warm-up and cosine decay and clipping, wrapped for loss scaling.
-
-  float16 compute gets a dynamic loss scale; float32 and bfloat16 get the no-op
-  scale (bfloat16 has float32's range), so that every policy runs the same
-  guarded step and reports the same metrics.
-  """
+def make_inner_optimizer(config: Config):
+  """AdamW with warm-up and cosine decay and clipping (not yet loss-scaled)."""
   import optax  # pylint: disable=import-outside-toplevel
-
-  import jaxmp  # pylint: disable=import-outside-toplevel
 
   warmup = max(1, min(100, config.steps // 10))
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, config.lr, warmup, max(config.steps, warmup + 1), config.lr / 10
   )
-  inner = optax.chain(
+  return optax.chain(
       optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.1)
   )
+
+
+def make_loss_scale(config: Config, policy):
+  """A dynamic loss scale for float16 compute, else the no-op scale.
+
+  float32 and bfloat16 (and FP8 on a bfloat16 base, whose per-tensor scales
+  cover FP8's range) get the no-op scale, so that every policy runs the same
+  guarded step and reports the same metrics.
+  """
+  import jaxmp  # pylint: disable=import-outside-toplevel
+
   if policy.needs_loss_scaling:
-    loss_scale = jaxmp.DynamicLossScale(config.init_scale, period=config.scale_period)
-  else:
-    loss_scale = jaxmp.NoOpLossScale()
-  return jaxmp.loss_scaling(inner, loss_scale)
+    return jaxmp.DynamicLossScale(config.init_scale, period=config.scale_period)
+  return jaxmp.NoOpLossScale()
+
+
+def make_optimizer(config: Config, policy):
+  """:func:`make_inner_optimizer` wrapped with :func:`jaxmp.loss_scaling`."""
+  import jaxmp  # pylint: disable=import-outside-toplevel
+
+  return jaxmp.loss_scaling(make_inner_optimizer(config),
+                            make_loss_scale(config, policy))
 
 
 def spike_embeddings(params):
@@ -518,6 +564,82 @@ def make_train_step(loss_fn, tx, *, gradients=scaled_gradients, recover=None):
   return jax.jit(train_step, donate_argnums=(0, 1))
 
 
+def make_fp8_state(config: Config, model, policy, sample):
+  """The ``jaxmp.flax.TrainState`` of an FP8 run, with its FP8 meta.
+
+  ``jaxmp.flax.ModulePolicy({}, default=policy)`` injects Flax's FP8 op into
+  every ``nn.Dense`` and ``nn.DenseGeneral`` (the attention projections
+  included) without editing the model; the attention scores, the norms,
+  the embeddings and the loss compute in the base dtype (bfloat16). The
+  params are those of the other runs (same seed, same names).
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+
+  import jaxmp.flax  # pylint: disable=import-outside-toplevel
+
+  module_policy = jaxmp.flax.ModulePolicy({}, default=policy)
+  variables = module_policy.wrap_apply(model.init)(
+      jax.random.PRNGKey(config.seed), sample)
+  return jaxmp.flax.TrainState.create(
+      apply_fn=model.apply, params=variables["params"],
+      fp8_meta=variables[FP8_META], tx=make_inner_optimizer(config),
+      policy=module_policy, loss_scale=make_loss_scale(config, policy))
+
+
+def fp8_eval_loss(state, batch):
+  """The loss of ``state`` on ``batch`` (no update; the meta is only read)."""
+  logits = state.apply_fn(
+      {"params": state.params, FP8_META: state.fp8_meta}, batch[:, :-1])
+  return next_byte_loss(logits, batch[:, 1:])
+
+
+def make_fp8_train_step():
+  """One guarded FP8 step: ``(state, batch) -> (state, metrics)``.
+
+  ``state.value_and_grad`` provides the FP8 meta to the model and returns its
+  new values with the gradients; ``apply_gradients`` writes them on a finite
+  step and keeps them bit-identical on a skipped one.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+
+  import jaxmp  # pylint: disable=import-outside-toplevel
+
+  def train_step(state, batch):
+    def loss_fn(params, batch):
+      logits = state.apply_fn({"params": params}, batch[:, :-1])
+      return next_byte_loss(logits, batch[:, 1:])
+
+    loss, grads = state.value_and_grad(loss_fn)(state.params, batch)
+    state = state.apply_gradients(grads=grads)
+    metrics = jaxmp.loss_scaling_metrics(state.opt_state)
+    metrics["loss"] = loss
+    return state, metrics
+
+  return jax.jit(train_step, donate_argnums=0)
+
+
+def fp8_meta_summary(fp8_meta) -> dict[str, Any]:
+  """How many matmuls ran in FP8, whether the meta is finite, and the range
+  of each kind of scale (1.0 before the first step)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  scales: dict[str, list[float]] = {}
+  finite = True
+  for path, leaf in jax.tree_util.tree_leaves_with_path(jax.device_get(fp8_meta)):
+    leaf = np.asarray(leaf)
+    finite = finite and bool(np.isfinite(leaf).all())
+    name = path[-1].key
+    if name.endswith("_scale"):
+      scales.setdefault(name, []).append(float(leaf.reshape(())))
+  return {
+      "matmuls": len(scales.get("kernel_scale", ())),
+      "finite": finite,
+      "scales": {name: [min(values), max(values)]
+                 for name, values in sorted(scales.items())},
+  }
+
+
 def wider_policy() -> str:
   """bfloat16 where the hardware runs it natively, else float32.
 
@@ -585,7 +707,9 @@ def train(run_name: str, config: Config, train_text, val_text,
   batch whose update would be skipped, inside the step
   (:func:`jaxmp.recovering_step` with :func:`recover_config`).
   ``gradients`` is how the step takes the gradients of a batch (see
-  :func:`make_train_step`).
+  :func:`make_train_step`). A policy with FP8 matmuls (:class:`jaxmp.Fp8Policy`)
+  trains a ``jaxmp.flax.TrainState`` instead (:func:`make_fp8_state`), whose
+  FP8 meta is summarised in the result.
   """
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -599,30 +723,46 @@ def train(run_name: str, config: Config, train_text, val_text,
   policy_name = run_name.removesuffix(FALLBACK_SUFFIX).removesuffix(RECOVER_SUFFIX)
   fallback = fallback_controller(policy_name) if falls_back else None
   policy = jaxmp.get_policy(policy_name)
+  fp8 = isinstance(policy, jaxmp.Fp8Policy)
+  if fp8 and (falls_back or recovers or gradients is not scaled_gradients):
+    raise ValueError(
+        f"{run_name}: an FP8 run trains its TrainState step "
+        "(make_fp8_train_step), without +fallback, +recover or gradients=; "
+        f"train {policy_name} alone.")
   model = make_model(config.d_model, config.layers, config.heads, config.seq_len)
   recover = recover_config(config, model) if recovers else None
-  loss_fn = make_loss_fn(model, policy)
-  tx = make_optimizer(config, policy)
   rng = np.random.default_rng(config.seed)
   sample = jnp.zeros((config.batch_size, config.seq_len), jnp.int32)
-  params = model.init(jax.random.PRNGKey(config.seed), sample)["params"]
-  params = policy.cast_to_param(params)
-  opt_state = tx.init(params)
+  # What the step carries: (params, opt_state), or (TrainState,) for FP8.
+  if fp8:
+    state = make_fp8_state(config, model, policy, sample)
+    carry, params = (state,), state.params
+    step_fn, evaluate = make_fp8_train_step(), jax.jit(fp8_eval_loss)
+  else:
+    loss_fn = make_loss_fn(model, policy)
+    tx = make_optimizer(config, policy)
+    params = model.init(jax.random.PRNGKey(config.seed), sample)["params"]
+    params = policy.cast_to_param(params)
+    carry = (params, tx.init(params))
+    step_fn = make_train_step(loss_fn, tx, gradients=gradients, recover=recover)
+    evaluate = jax.jit(loss_fn)
   n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
+
+  def opt_state_of(carry):
+    return carry[0].opt_state if fp8 else carry[1]
 
   batch = random_windows(rng, train_text, config.batch_size, config.seq_len)
   started = time.perf_counter()
-  compiled = make_train_step(loss_fn, tx, gradients=gradients, recover=recover).lower(
-      params, opt_state, batch).compile()
+  compiled = step_fn.lower(*carry, batch).compile()
   compile_seconds = time.perf_counter() - started
-  evaluate = jax.jit(loss_fn)
   train_eval = fixed_windows(train_text, config.eval_batches * config.batch_size,
                              config.seq_len)
   val_eval = fixed_windows(val_text, config.eval_batches * config.batch_size,
                            config.seq_len)
 
-  def mean_loss(params, windows):
-    losses = [evaluate(params, windows[i:i + config.batch_size])
+  def mean_loss(carry, windows):
+    # The params, or the FP8 run's TrainState (params and meta).
+    losses = [evaluate(carry[0], windows[i:i + config.batch_size])
               for i in range(0, len(windows), config.batch_size)]
     return float(np.mean(jax.device_get(losses)))
 
@@ -633,12 +773,16 @@ def train(run_name: str, config: Config, train_text, val_text,
   bar = tqdm.tqdm(total=config.steps, desc=f"{run_name:>14}", unit="step",
                   disable=not progress, mininterval=0.5, dynamic_ncols=True)
   train_seconds, skipped = 0.0, 0
-  scale_used = float(jax.device_get(jaxmp.get_loss_scale(opt_state).loss_scale))
+  scale_used = float(jax.device_get(
+      jaxmp.get_loss_scale(opt_state_of(carry)).loss_scale))
   for step in range(1, config.steps + 1):
-    if step == config.fp16_spike:
-      params = spike_embeddings(params)
+    if step == config.fp16_spike and fp8:
+      carry = (carry[0].replace(params=spike_embeddings(carry[0].params)),)
+    elif step == config.fp16_spike:
+      carry = (spike_embeddings(carry[0]), carry[1])
     started = time.perf_counter()
-    params, opt_state, metrics = compiled(params, opt_state, batch)
+    *carry, metrics = compiled(*carry, batch)
+    carry = tuple(carry)
     metrics = jax.device_get(metrics)
     train_seconds += time.perf_counter() - started
     batch = random_windows(rng, train_text, config.batch_size, config.seq_len)
@@ -657,7 +801,8 @@ def train(run_name: str, config: Config, train_text, val_text,
       events.append({"step": step, "event": "crash condition",
                      "detail": "overflow at the minimum loss scale"})
     if fallback is not None:
-      opt_state, new_policy = fallback.update(opt_state, step=step)
+      opt_state, new_policy = fallback.update(carry[1], step=step)
+      carry = (carry[0], opt_state)
       if new_policy != policy:
         policy = new_policy
         loss_fn = make_loss_fn(model, policy)
@@ -666,12 +811,12 @@ def train(run_name: str, config: Config, train_text, val_text,
           recover = None  # nothing left to back off or to fall back to
         compiled = make_train_step(
             loss_fn, tx, gradients=gradients, recover=recover).lower(
-                params, opt_state, batch).compile()
+                *carry, batch).compile()
         events.append({"step": step, "event": "switch",
                        "detail": f"switched to {policy}"})
     if step % config.eval_every == 0 or step == config.steps:
       val_history["step"].append(step)
-      val_history["loss"].append(mean_loss(params, val_eval))
+      val_history["loss"].append(mean_loss(carry, val_eval))
     bar.set_postfix_str(
         f"loss={loss:.3f} scale={format_scale(scale, policy.needs_loss_scaling)} "
         f"skipped={skipped}", refresh=False)
@@ -682,7 +827,7 @@ def train(run_name: str, config: Config, train_text, val_text,
   lost = {}  # skipped batches per policy, in the order the run went through them
   for name, skipped_step in zip(history["policy"], history["skipped"]):
     lost[name] = lost.get(name, 0) + int(skipped_step)
-  return {
+  result = {
       "policy": run_name,
       "policy_string": str(jaxmp.get_policy(policy_name)),
       "loss_scaling": jaxmp.get_policy(policy_name).needs_loss_scaling,
@@ -691,7 +836,7 @@ def train(run_name: str, config: Config, train_text, val_text,
       "recovered_steps": sum(history["recovered"]),
       "events": events,
       "parameters": int(n_params),
-      "final_train_loss": mean_loss(params, train_eval),
+      "final_train_loss": mean_loss(carry, train_eval),
       "final_val_loss": val_history["loss"][-1],
       "skipped_steps": skipped,
       "final_loss_scale": scale_used,
@@ -702,6 +847,9 @@ def train(run_name: str, config: Config, train_text, val_text,
       "train": history,
       "validation": val_history,
   }
+  if fp8:
+    result["fp8_meta"] = fp8_meta_summary(carry[0].fp8_meta)
+  return result
 
 
 # ---------------------------------------------------------------------------
@@ -718,7 +866,7 @@ def preset_name(policy_string: str) -> str:
   """``mixed_float16`` for ``p=f32,c=f16,o=f32``; other policies as they are."""
   import jaxmp  # pylint: disable=import-outside-toplevel
 
-  for name in COMPARED_POLICIES:
+  for name in COMPARED_POLICIES + (FP8_POLICY,):
     if str(jaxmp.get_policy(name)) == policy_string:
       return name
   return policy_string
@@ -761,7 +909,27 @@ def summary_table(results: Sequence[dict[str, Any]]) -> str:
   sources = sorted({r["memory"]["source"] for r in results})
   lines.append("")
   lines.append(f"memory: {', '.join(sources)}.")
+  for r in results:
+    if "fp8_meta" in r:
+      lines += ["", fp8_note(r)]
   return "\n".join(lines)
+
+
+def fp8_note(result: dict[str, Any]) -> str:
+  """What an FP8 run's meta ended as, and what its tokens/s mean on a CPU."""
+  meta = result["fp8_meta"]
+  ranges = ", ".join(
+      f"{name.removesuffix('_scale').replace('_', ' ')} {low:.3g} to {high:.3g}"
+      for name, (low, high) in meta["scales"].items())
+  note = (
+      f"{result['policy']}: {meta['matmuls']} matmuls in FP8 (E4M3 forward, "
+      f"E5M2 gradients, delayed scaling); FP8 meta "
+      f"{'finite' if meta['finite'] else 'NOT finite'}, scales {ranges}.")
+  import jax  # pylint: disable=import-outside-toplevel
+
+  if jax.devices()[0].platform == "cpu":
+    note += " " + FP8_NOTE
+  return note
 
 
 def _smooth(values, window: int):
@@ -803,7 +971,8 @@ def plot(results: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
 
-  styles = {"float32": "-", "mixed_bfloat16": "--", "mixed_float16": ":"}
+  styles = {"float32": "-", "mixed_bfloat16": "--", "mixed_float16": ":",
+            FP8_POLICY: (0, (5, 1, 1, 1, 1, 1))}
   reference = next((r for r in results if r["policy"] == "float32"), None)
   others = [r for r in results if r is not reference] if reference else []
   scaled = [r for r in results if r["loss_scaling"]]
@@ -831,8 +1000,8 @@ def plot(results: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
   ax = axes["loss"]
   for r in results:
     style = styles.get(r["policy"], "-.")
-    (line,) = ax.plot(steps, _smooth(r["train"]["loss"], window), style,
-                      linewidth=1.6, label=f"{r['policy']} train")
+    (line,) = ax.plot(steps, _smooth(r["train"]["loss"], window),
+                      linestyle=style, linewidth=1.6, label=f"{r['policy']} train")
     ax.plot(r["validation"]["step"], r["validation"]["loss"], "o",
             color=line.get_color(), markersize=4,
             label=f"{r['policy']} validation")
@@ -852,7 +1021,7 @@ def plot(results: Sequence[dict[str, Any]], path: pathlib.Path) -> None:
     for r in others:
       color = f"C{results.index(r)}"
       ax.plot(steps, _smooth(r["train"]["loss"], window) - base,
-              styles.get(r["policy"], "-."), color=color,
+              linestyle=styles.get(r["policy"], "-."), color=color,
               label=f"{r['policy']} - float32")
     ax.set_ylabel("train loss\nminus float32")
     legend(ax)

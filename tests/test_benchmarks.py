@@ -90,11 +90,19 @@ def test_policy_speed_table_says_cpu_only():
       "parameters": 100,
       "machine": {"platform": "cpu", "device_kind": "cpu", "cpu_count": 2,
                   "jax": "0.0"},
-      "policies": {"float32": figures},
+      "policies": {"float32": figures, "mixed_fp8": {
+          **figures, "time_ratio": 3.0, "time_ratio_vs_bfloat16": 2.5,
+          "policy": "p=f32,c=bf16,o=f32,dot=fp8"}},
   }
   table = policy_speed.markdown(results)
   assert "| float32 (`p=f32,c=f32,o=f32`) | 1.00× | 1,000 | 1.0 MiB | 1024 MiB |" in table
+  assert "| mixed_fp8 (`p=f32,c=bf16,o=f32,dot=fp8`) | 3.00× |" in table
   assert "CPU only" in table
+  assert "the FP8 row's time says nothing about FP8 on a GPU" in table
+  results["machine"] = {"platform": "gpu", "device_kind": "NVIDIA H200",
+                        "cpu_count": 16, "jax": "0.0"}
+  table = policy_speed.markdown(results)
+  assert "FP8 step time vs bfloat16: 2.50×." in table and "CPU" not in table
 
 
 def test_overhead_table_names_an_accelerator():

@@ -170,12 +170,52 @@ def test_recovering_from_2_24_loses_no_batch_where_plain_loses_eight(tmp_path):
   assert (run_dir / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_the_fp8_run_trains_with_finite_fp8_meta(tmp_path):
+  """--policy mixed_fp8: the demo's 7 matmuls (4 attention projections, 2
+  MLP layers, the head) train in FP8 through TrainState; the meta it ends with
+  is finite and was written (Flax starts every scale at 1)."""
+  proc = _run(*TINY, "--policy", "mixed_fp8", "--out", str(tmp_path), cwd=tmp_path)
+  assert proc.returncode == 0, proc.stderr
+  (run_dir,) = list(tmp_path.iterdir())
+  (run,) = json.loads((run_dir / "metrics.json").read_text())["results"]
+  assert run["policy_string"] == "p=f32,c=bf16,o=f32,dot=fp8"
+  assert not run["loss_scaling"] and run["skipped_steps"] == 0
+  meta = run["fp8_meta"]
+  assert meta["matmuls"] == 7 and meta["finite"]
+  assert sorted(meta["scales"]) == ["input_scale", "kernel_scale",
+                                    "output_grad_scale"]
+  for low, high in meta["scales"].values():
+    assert 0 < low <= high < 1 and math.isfinite(high)
+  loss = run["train"]["loss"]
+  assert all(math.isfinite(x) for x in loss)
+  assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3 - 0.3
+  assert math.isfinite(run["final_val_loss"])
+  assert "| mixed_fp8 |" in proc.stdout
+  assert "mixed_fp8: 7 matmuls in FP8" in proc.stdout
+  assert "XLA emulates FP8" in proc.stdout
+  assert (run_dir / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_fp8_flag_adds_mixed_fp8_to_the_compared_policies():
+  args = train_lm.build_parser().parse_args(["--fp8"])
+  policies, _ = train_lm.check_args(args)
+  assert policies == ["float32", "mixed_bfloat16", "mixed_float16", "mixed_fp8"]
+  args = train_lm.build_parser().parse_args(["--fp8", "--policy", "mixed_fp8"])
+  assert train_lm.check_args(args)[0] == ["mixed_fp8"]
+  args = train_lm.build_parser().parse_args(["--fp8", "--fallback"])
+  assert train_lm.check_args(args)[0] == [
+      "float32", "mixed_bfloat16", "mixed_float16", "mixed_fp8",
+      "mixed_float16+fallback"]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--policy", "float32", "--fallback"], "--fallback watches float16 runs"),
         (["--policy", "float32", "--recover"], "--recover watches float16 runs"),
         (["--recover", "--max-retries", "-1"], "--max-retries: jaxmp.Recover: max_retries"),
+        (["--policy", "p=f32,c=f16,o=f32,dot=fp8", "--fallback"],
+         "--fallback does not cover FP8 runs (p=f32,c=f16,o=f32,dot=fp8)"),
         (["--fp16-spike", "0"], "--fp16-spike must be a step from 1 to --steps"),
         (["--data", "no/such/file.txt"], "no such file"),
         (["--data", "{empty}"], "empty"),
