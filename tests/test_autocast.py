@@ -118,11 +118,11 @@ def token_batch(seed=0, batch=4, length=17):
   return jnp.asarray(rng.integers(0, 256, (batch, length)), jnp.int32)
 
 
-@functools.cache  # the same model for every test: initialised once, jitted
+@functools.cache  # the same model for every test: initialised once
 def transformer_and_loss():
   model = Transformer()
   batch = token_batch()
-  params = jax.jit(model.init)(jax.random.key(0), batch[:, :-1])["params"]
+  params = model.init(jax.random.key(0), batch[:, :-1])["params"]
 
   def loss_fn(params, batch):
     logits = model.apply({"params": params}, batch[:, :-1])
