@@ -1,6 +1,7 @@
 """The guarantees page names tests that exist, for every promise it makes."""
 
 import ast
+import functools
 import pathlib
 import re
 
@@ -11,6 +12,7 @@ PAGE = ROOT / "docs" / "guarantees.md"
 NODE_ID = re.compile(r"`(tests/[\w/]+\.py)((?:::\w+)+)`")
 
 
+@functools.cache  # a file named several times is parsed once
 def defined_tests(path):
   """Node-ID suffixes (``::name`` or ``::Class::name``) defined in a test file."""
   tree = ast.parse(path.read_text(encoding="utf-8"))

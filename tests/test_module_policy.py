@@ -304,8 +304,8 @@ def output_dtypes(policy, model, variables, x):
       seen[context.module.name] = np.dtype(out.dtype)
     return out
 
-  with nn.intercept_methods(capture):
-    policy.wrap_apply(model.apply)(variables, x)
+  with nn.intercept_methods(capture):  # traced: the dtypes, not the values
+    jax.eval_shape(policy.wrap_apply(model.apply), variables, x)
   return seen
 
 

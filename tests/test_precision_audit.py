@@ -472,8 +472,8 @@ def test_nnx_model_with_the_policy_set_does_not_warn_and_is_left_untouched():
     warnings.simplefilter("error", jaxmp.PrecisionWarning)
     step(model, optimizer, X)
   # The audit traced a copy: the BatchNorm statistics moved once, exactly as
-  # one plain nnx.value_and_grad step moves them.
-  nnx.value_and_grad(lambda m: jnp.mean(m(X).astype(jnp.float32) ** 2))(twin)
+  # one plain nnx.value_and_grad step moves them (jitted too).
+  nnx.jit(nnx.value_and_grad(lambda m: jnp.mean(m(X).astype(jnp.float32) ** 2)))(twin)
   chex.assert_trees_all_equal(nnx.state(model, nnx.BatchStat), nnx.state(twin, nnx.BatchStat))
   assert not np.array_equal(model.norm.mean[...], np.zeros(8))
 
