@@ -224,22 +224,10 @@ def wrap_with_loss_scaling(
       inner_updates, inner_state = inner.update(
           grads, state.inner_state, params, **extra_args)
       return inner_updates, state._replace(inner_state=inner_state)
-    finite = agree_across(
-        finite, axis_name,
-        f"{owner}(axis_name={axis_name!r}): that axis name is "
-        "not bound where update runs. Call update inside jax.shard_map or "
-        "jax.pmap over that axis, or drop axis_name under plain jax.jit, "
-        "where the finiteness check over sharded arrays is already global.")
-    # The old inner state is selected where each new leaf is produced, so that
-    # XLA writes it once, in place (see inplace_select.py).
-    inner_updates, inner_state = update_or_keep(
+    finite = agree_on_finite(finite, axis_name, owner)
+    updates, inner_state = step_or_skip(
         lambda g, s, p: inner.update(g, s, p, **extra_args),
-        finite, grads, state.inner_state, params,
-    )
-    # On a skipped step, -0.0 is the exact identity of `p + u` (even for p=-0.0).
-    updates = jax.tree_util.tree_map(
-        lambda u: jnp.where(finite, u, jnp.asarray(-0.0, u.dtype)), inner_updates
-    )
+        finite, grads, state.inner_state, params)
     lost = jnp.logical_not(finite).astype(jnp.int32)
     new_state = LossScalingState(
         inner_state=inner_state,
@@ -257,6 +245,33 @@ def wrap_with_loss_scaling(
     return updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def agree_on_finite(finite: jax.Array, axis_name: AxisName | None,
+                    owner: str) -> jax.Array:
+  """The finiteness flag, made one across ``axis_name`` (see agree_across)."""
+  return agree_across(
+      finite, axis_name,
+      f"{owner}(axis_name={axis_name!r}): that axis name is "
+      "not bound where update runs. Call update inside jax.shard_map or "
+      "jax.pmap over that axis, or drop axis_name under plain jax.jit, "
+      "where the finiteness check over sharded arrays is already global.")
+
+
+def step_or_skip(update: Any, applies: jax.Array, grads: Any, inner_state: Any,
+                 params: Any) -> tuple[Any, Any]:
+  """``update(grads, inner_state, params)`` where ``applies``, else a skip.
+
+  Where ``applies`` is false, the updates are ``-0.0`` (the exact identity of
+  ``p + u``, even for ``p = -0.0``) and the state is ``inner_state``,
+  bit-identical. The old state is selected where each new leaf is produced,
+  so that XLA writes it once, in place (see inplace_select.py).
+  """
+  inner_updates, inner_state = update_or_keep(
+      update, applies, grads, inner_state, params)
+  updates = jax.tree_util.tree_map(
+      lambda u: jnp.where(applies, u, jnp.asarray(-0.0, u.dtype)), inner_updates)
+  return updates, inner_state
 
 
 # The check, and the clipping that shares its reduction.
