@@ -173,7 +173,7 @@ def multi_steps(
     checked, finite = clip_and_check(
         jax.tree_util.tree_map(to_inner, total, grads), clip_global_norm)
     if guard:
-      finite = agree_on_finite(finite, axis_name, OWNER)
+      finite = agree_on_finite(_sum_written_once(total, finite), axis_name, OWNER)
       applies = emit & finite
     else:
       applies = emit
@@ -204,6 +204,24 @@ def multi_steps(
     return updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _sum_written_once(total: Any, finite: jax.Array) -> jax.Array:
+  """``finite``, unchanged, made to depend on a float sum of each leaf of ``total``.
+
+  The sum of the micro-batches has several readers: the check, the inner
+  update and the select that zeroes the accumulator in place. XLA:CPU
+  recomputes a cheap elementwise expression inside each reader, so the
+  accumulator, overwritten by one of them, must be copied first (one more
+  accumulator in temp memory). A floating-point sum reduction, which
+  XLA:CPU hands to a library call that cannot fuse its input, makes XLA
+  write the sum to memory once, where every reader reads it. A finite float
+  sum means finite leaves, so ``finite | isfinite(sum)`` is ``finite``.
+  """
+  sums = [jnp.sum(t) for t in jax.tree_util.tree_leaves(total)]
+  if not sums:
+    return finite
+  return finite | jnp.stack([jnp.isfinite(x) for x in sums]).all()
 
 
 def _accumulator_dtype(param: Any) -> Any:

@@ -359,12 +359,15 @@ def clip_and_check(grads: Any, clip_global_norm: float | None
     return grads, all_finite(grads)
   scale, scaled_norm, finite = global_norm_and_finite(grads)
   keep = scaled_norm < clip_global_norm * scale
+  # One scalar division: an elementwise division is an expensive op to XLA,
+  # whose result it then writes to memory instead of fusing it.
+  factor = clip_global_norm / scaled_norm
 
   def clip(t):
     if not jnp.issubdtype(t.dtype, jnp.inexact):
       return t
     wide = t if t.dtype == jnp.float32 else t.astype(jnp.float32)
-    clipped = (wide * scale / scaled_norm) * clip_global_norm
+    clipped = (wide * scale) * factor
     return jax.lax.select(keep, t, clipped.astype(t.dtype))
 
   return jax.tree_util.tree_map(clip, grads), finite
