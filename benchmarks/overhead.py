@@ -74,11 +74,20 @@ class Variant(NamedTuple):
   step: Callable[[Any, Any], tuple[Any, Any]]
 
 
-def make_variants(loss_fn, learning_rate: float = 1e-3) -> list[Variant]:
-  """The five train steps; each maps ``(state, batch)`` to ``(state, loss)``."""
+def make_variants(loss_fn, learning_rate: float = 1e-3,
+                  clip_global_norm: float | None = None) -> list[Variant]:
+  """The five train steps; each maps ``(state, batch)`` to ``(state, loss)``.
+
+  With ``clip_global_norm``, every variant clips: the others with
+  ``optax.clip_by_global_norm`` chained before adamw, jaxmp with
+  ``loss_scaling(..., clip_global_norm=...)``.
+  """
 
   def adamw():
-    return optax.adamw(learning_rate)
+    if clip_global_norm is None:
+      return optax.adamw(learning_rate)
+    return optax.chain(optax.clip_by_global_norm(clip_global_norm),
+                       optax.adamw(learning_rate))
 
   # 1. No guard.
   plain = adamw()
@@ -93,7 +102,9 @@ def make_variants(loss_fn, learning_rate: float = 1e-3) -> list[Variant]:
     return (optax.apply_updates(params, updates), opt_state), loss
 
   # 2. jaxmp.
-  guarded = jaxmp.loss_scaling(adamw(), jaxmp.DynamicLossScale(INITIAL_SCALE, period=PERIOD))
+  guarded = jaxmp.loss_scaling(
+      optax.adamw(learning_rate), jaxmp.DynamicLossScale(INITIAL_SCALE, period=PERIOD),
+      clip_global_norm=clip_global_norm)
 
   def jaxmp_init(params):
     return params, guarded.init(params)

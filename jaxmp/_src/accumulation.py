@@ -15,6 +15,7 @@ from jaxmp._src.loss_scaling import (
     agree_on_finite,
     check_guard_options,
     clip_and_check,
+    global_norm_and_finite,
     step_or_skip,
     wrap_with_loss_scaling,
 )
@@ -170,10 +171,18 @@ def multi_steps(
         t = t / k_steps.astype(t.dtype)
       return t.astype(g.dtype)
 
-    checked, finite = clip_and_check(
-        jax.tree_util.tree_map(to_inner, total, grads), clip_global_norm)
+    checked = jax.tree_util.tree_map(to_inner, total, grads)
+    if clip_global_norm is None:
+      # The flag of the norm's reduction, as with clipping (the same
+      # decision as jaxmp.all_finite). XLA:CPU fuses the boolean reduction of
+      # all_finite with the sum, which it then recomputes in every reader,
+      # one of which zeroes the accumulator in place: so it would copy the
+      # accumulator first. With the norm's reduction, it writes the sum once.
+      finite = global_norm_and_finite(checked)[2]
+    else:
+      checked, finite = clip_and_check(checked, clip_global_norm)
     if guard:
-      finite = agree_on_finite(_sum_written_once(total, finite), axis_name, OWNER)
+      finite = agree_on_finite(finite, axis_name, OWNER)
       applies = emit & finite
     else:
       applies = emit
@@ -204,24 +213,6 @@ def multi_steps(
     return updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _sum_written_once(total: Any, finite: jax.Array) -> jax.Array:
-  """``finite``, unchanged, made to depend on a float sum of each leaf of ``total``.
-
-  The sum of the micro-batches has several readers: the check, the inner
-  update and the select that zeroes the accumulator in place. XLA:CPU
-  recomputes a cheap elementwise expression inside each reader, so the
-  accumulator, overwritten by one of them, must be copied first (one more
-  accumulator in temp memory). A floating-point sum reduction, which
-  XLA:CPU hands to a library call that cannot fuse its input, makes XLA
-  write the sum to memory once, where every reader reads it. A finite float
-  sum means finite leaves, so ``finite | isfinite(sum)`` is ``finite``.
-  """
-  sums = [jnp.sum(t) for t in jax.tree_util.tree_leaves(total)]
-  if not sums:
-    return finite
-  return finite | jnp.stack([jnp.isfinite(x) for x in sums]).all()
 
 
 def _accumulator_dtype(param: Any) -> Any:
