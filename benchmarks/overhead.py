@@ -244,7 +244,14 @@ def dump_figures(step, state, batch) -> dict[str, int | None]:
   on_cpu = jax.default_backend() == "cpu"
   jitted = jit_step(step)
   with tempfile.TemporaryDirectory() as tmp:
-    jitted.lower(state, batch).compile(compiler_options={"xla_dump_to": tmp})
+    # A program found in JAX's persistent compilation cache (the tests keep
+    # one) is not compiled again, so XLA would dump nothing.
+    cache_was_on = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+      jitted.lower(state, batch).compile(compiler_options={"xla_dump_to": tmp})
+    finally:
+      jax.config.update("jax_enable_compilation_cache", cache_was_on)
     dump = pathlib.Path(tmp)
     live_ranges = sorted(dump.glob("*after_optimizations-live-range.txt"))
     # Kernel modules are dumped as LLVM IR by the CPU back end only.

@@ -122,7 +122,8 @@ def guard_variants(loss_fn, clip_global_norm: float | None = None) -> list[Varia
   return [v for v in variants if v.name in PEERS]
 
 
-def accumulation_variants(loss_fn, k: int = MICRO_BATCHES) -> list[Variant]:
+def accumulation_variants(loss_fn, k: int = MICRO_BATCHES,
+                          clip_global_norm: float | None = None) -> list[Variant]:
   """One micro-batch of a ``k``-step accumulation, three ways.
 
   ``unguarded``: ``optax.MultiSteps(adamw, k)`` on the plain gradients;
@@ -130,9 +131,18 @@ def accumulation_variants(loss_fn, k: int = MICRO_BATCHES) -> list[Variant]:
   ``optax skip_not_finite``: ``optax.MultiSteps(adamw, k,
   should_skip_update_fn=optax.skip_not_finite)`` on gradients scaled and
   unscaled by a jmp loss scale, adjusted from its ``should_skip`` flag (the
-  scale's arrays travel in the state, as in ``overhead.py``).
+  scale's arrays travel in the state, as in ``overhead.py``). With
+  ``clip_global_norm``, ``optax.clip_by_global_norm`` is chained before
+  adamw, and jaxmp gets ``clip_global_norm=``.
   """
-  plain = optax.MultiSteps(optax.adamw(LEARNING_RATE), k)
+
+  def adamw():
+    if clip_global_norm is None:
+      return optax.adamw(LEARNING_RATE)
+    return optax.chain(optax.clip_by_global_norm(clip_global_norm),
+                       optax.adamw(LEARNING_RATE))
+
+  plain = optax.MultiSteps(adamw(), k)
 
   def unguarded_step(state, batch):
     params, opt_state = state
@@ -141,7 +151,8 @@ def accumulation_variants(loss_fn, k: int = MICRO_BATCHES) -> list[Variant]:
     return (optax.apply_updates(params, updates), opt_state), loss
 
   guarded = jaxmp.multi_steps(
-      optax.adamw(LEARNING_RATE), jaxmp.DynamicLossScale(INITIAL_SCALE, period=PERIOD), k)
+      optax.adamw(LEARNING_RATE), jaxmp.DynamicLossScale(INITIAL_SCALE, period=PERIOD), k,
+      clip_global_norm=clip_global_norm)
 
   def jaxmp_step(state, batch):
     params, opt_state = state
@@ -150,7 +161,7 @@ def accumulation_variants(loss_fn, k: int = MICRO_BATCHES) -> list[Variant]:
     updates, opt_state = guarded.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state), loss
 
-  skipping = optax.MultiSteps(optax.adamw(LEARNING_RATE), k,
+  skipping = optax.MultiSteps(adamw(), k,
                               should_skip_update_fn=optax.skip_not_finite)
 
   def skipping_step(state, batch):

@@ -217,10 +217,12 @@ def multi_steps(
 
 def _accumulator_dtype(param: Any) -> Any:
   """float32, or the param's dtype where it is a wider float (or complex)."""
-  dtype = jnp.result_type(param)
-  if not jnp.issubdtype(dtype, jnp.inexact):
-    return jnp.dtype(jnp.float32)
-  return jnp.promote_types(dtype, jnp.float32)
+  dtype = jnp.dtype(jnp.result_type(param))
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return dtype if dtype.itemsize > 8 else jnp.dtype(jnp.complex64)
+  if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize > 4:
+    return dtype
+  return jnp.dtype(jnp.float32)
 
 
 def _check_state(state: Any) -> None:
