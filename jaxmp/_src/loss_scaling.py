@@ -350,7 +350,7 @@ def clip_and_check(grads: Any, clip_global_norm: float | None
                    ) -> tuple[Any, jax.Array]:
   """``(grads, all_finite(grads))``, or the clipped grads and the norm's flag.
 
-  With ``clip_global_norm``, each leaf ``t`` becomes ``t / norm * max_norm``
+  With ``clip_global_norm``, each leaf ``t`` becomes ``t * (max_norm / norm)``
   where the global norm is at least ``max_norm`` (as
   ``optax.clip_by_global_norm`` computes it), and the flag comes from the
   same reduction (:func:`global_norm_and_finite`).
