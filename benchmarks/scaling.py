@@ -47,8 +47,11 @@ import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import flax.training.train_state
-import jax
+# The jaxmp of this checkout, not whichever one is installed.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import flax.training.train_state  # pylint: disable=wrong-import-position
+import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp
 import jmp
 import numpy as np
@@ -354,8 +357,8 @@ def markdown(results: dict[str, Any]) -> str:
   ]
   for label, figures in results["settings"].items():
     base = next(iter(figures.values()))
-    label = (f"{label} ({base['parameters'] / 1e6:.2g}M params, "
-             f"{base['leaves']} leaves)")
+    leaves = "" if "leaves" in label else f", {base['leaves']} leaves"
+    label = f"{label} ({base['parameters'] / 1e6:.2g}M params{leaves})"
     for name, f in figures.items():
       kernels = "n/a" if f.get("kernels") is None else (
           f"{f['kernels']} ({f['kernels'] - base['kernels']:+d})")
