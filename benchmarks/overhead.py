@@ -55,6 +55,7 @@ import jmp
 import numpy as np
 import optax
 from flax.training.dynamic_scale import DynamicScale
+from jax.experimental.compilation_cache import compilation_cache
 
 import jaxmp
 
@@ -245,13 +246,16 @@ def dump_figures(step, state, batch) -> dict[str, int | None]:
   jitted = jit_step(step)
   with tempfile.TemporaryDirectory() as tmp:
     # A program found in JAX's persistent compilation cache (the tests keep
-    # one) is not compiled again, so XLA would dump nothing.
+    # one) is not compiled again, so XLA would dump nothing. JAX decides once
+    # whether it uses the cache; reset_cache makes it decide again.
     cache_was_on = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
       jitted.lower(state, batch).compile(compiler_options={"xla_dump_to": tmp})
     finally:
       jax.config.update("jax_enable_compilation_cache", cache_was_on)
+      compilation_cache.reset_cache()
     dump = pathlib.Path(tmp)
     live_ranges = sorted(dump.glob("*after_optimizations-live-range.txt"))
     # Kernel modules are dumped as LLVM IR by the CPU back end only.

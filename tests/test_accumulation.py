@@ -199,11 +199,12 @@ def test_a_micro_step_compiles_once_and_needs_no_branch_or_host_transfer():
 # -- What an accumulation costs: compiler figures (deterministic) ---------------
 
 # jaxmp.multi_steps against optax.MultiSteps, unguarded: bytes accessed within
-# +2%, temp memory within +0.5%, and at most this many more kernels per
-# distinct gradient shape (the norm's reduction and the loss scale's work).
+# +2%, temp memory within +0.5%, and at most 2 more kernels per distinct
+# gradient shape (the norm's reduction) and 2 more for the loss scale's work.
 BYTES_OVER_MULTISTEPS = 1.02
 TEMP_OVER_MULTISTEPS = 1.005
 KERNELS_PER_SHAPE_OVER_MULTISTEPS = 2
+KERNELS_OF_THE_SCALE = 2
 
 
 def _scaling_benchmark():
@@ -231,4 +232,5 @@ def test_accumulation_costs_no_more_than_optax_multisteps(clip):
   base, ours = figures["unguarded"], figures["jaxmp"]
   assert ours["bytes_accessed"] <= BYTES_OVER_MULTISTEPS * base["bytes_accessed"]
   assert ours["temp_bytes"] <= TEMP_OVER_MULTISTEPS * base["temp_bytes"]
-  assert ours["kernels"] <= base["kernels"] + KERNELS_PER_SHAPE_OVER_MULTISTEPS * shapes
+  assert ours["kernels"] <= (base["kernels"] + KERNELS_PER_SHAPE_OVER_MULTISTEPS * shapes
+                             + KERNELS_OF_THE_SCALE)

@@ -309,6 +309,19 @@ def _add_pairs(a, b):
   return a[0] + b[0], a[1] + b[1]
 
 
+def _sum_once(parts: list[jax.Array]) -> jax.Array:
+  """The sum of scalars, computed once, by an op that XLA does not copy.
+
+  A chain of scalar adds (or a ``jnp.sum`` of them, which XLA splits back
+  into one) is cheap, so XLA copies it into every kernel that reads the
+  result: with one reader per leaf, each kernel then takes every leaf's
+  partial sum, no two are alike, and each is compiled apart. The last
+  element of a cumulative sum (a reduce-window, which XLA does not copy)
+  is the same sum, read by every kernel as one scalar.
+  """
+  return jnp.cumsum(jnp.stack(parts))[-1]
+
+
 def global_norm_and_finite(tree: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The global norm of ``tree`` in float32, safe against overflow.
 
@@ -339,7 +352,7 @@ def global_norm_and_finite(tree: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
   if not plain:
     one = jnp.ones([], jnp.float32)
     return one, jnp.zeros([], jnp.float32), jnp.array(True)
-  plain_sum, scaled_sum = sum(plain), sum(scaled)
+  plain_sum, scaled_sum = _sum_once(plain), _sum_once(scaled)
   use_plain = jnp.isfinite(plain_sum)
   scale = jnp.where(use_plain, 1.0, _HUGE_NORM_SCALE).astype(jnp.float32)
   scaled_norm = jnp.sqrt(jnp.where(use_plain, plain_sum, scaled_sum))
