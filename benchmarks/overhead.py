@@ -55,6 +55,7 @@ import jmp
 import numpy as np
 import optax
 from flax.training.dynamic_scale import DynamicScale
+from jax.experimental.compilation_cache import compilation_cache
 
 import jaxmp
 
@@ -74,11 +75,20 @@ class Variant(NamedTuple):
   step: Callable[[Any, Any], tuple[Any, Any]]
 
 
-def make_variants(loss_fn, learning_rate: float = 1e-3) -> list[Variant]:
-  """The five train steps; each maps ``(state, batch)`` to ``(state, loss)``."""
+def make_variants(loss_fn, learning_rate: float = 1e-3,
+                  clip_global_norm: float | None = None) -> list[Variant]:
+  """The five train steps; each maps ``(state, batch)`` to ``(state, loss)``.
+
+  With ``clip_global_norm``, every variant clips: the others with
+  ``optax.clip_by_global_norm`` chained before adamw, jaxmp with
+  ``loss_scaling(..., clip_global_norm=...)``.
+  """
 
   def adamw():
-    return optax.adamw(learning_rate)
+    if clip_global_norm is None:
+      return optax.adamw(learning_rate)
+    return optax.chain(optax.clip_by_global_norm(clip_global_norm),
+                       optax.adamw(learning_rate))
 
   # 1. No guard.
   plain = adamw()
@@ -93,7 +103,9 @@ def make_variants(loss_fn, learning_rate: float = 1e-3) -> list[Variant]:
     return (optax.apply_updates(params, updates), opt_state), loss
 
   # 2. jaxmp.
-  guarded = jaxmp.loss_scaling(adamw(), jaxmp.DynamicLossScale(INITIAL_SCALE, period=PERIOD))
+  guarded = jaxmp.loss_scaling(
+      optax.adamw(learning_rate), jaxmp.DynamicLossScale(INITIAL_SCALE, period=PERIOD),
+      clip_global_norm=clip_global_norm)
 
   def jaxmp_init(params):
     return params, guarded.init(params)
@@ -233,7 +245,17 @@ def dump_figures(step, state, batch) -> dict[str, int | None]:
   on_cpu = jax.default_backend() == "cpu"
   jitted = jit_step(step)
   with tempfile.TemporaryDirectory() as tmp:
-    jitted.lower(state, batch).compile(compiler_options={"xla_dump_to": tmp})
+    # A program found in JAX's persistent compilation cache (the tests keep
+    # one) is not compiled again, so XLA would dump nothing. JAX decides once
+    # whether it uses the cache; reset_cache makes it decide again.
+    cache_was_on = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+      jitted.lower(state, batch).compile(compiler_options={"xla_dump_to": tmp})
+    finally:
+      jax.config.update("jax_enable_compilation_cache", cache_was_on)
+      compilation_cache.reset_cache()
     dump = pathlib.Path(tmp)
     live_ranges = sorted(dump.glob("*after_optimizations-live-range.txt"))
     # Kernel modules are dumped as LLVM IR by the CPU back end only.

@@ -1,10 +1,13 @@
 """Tests of jaxmp.multi_steps: gradient accumulation with loss scaling."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import jaxmp
 from models import init_mlp, make_batch, mse
@@ -12,16 +15,17 @@ from models import init_mlp, make_batch, mse
 K = 4
 
 
-def make_micro_step(tx):
-  @jax.jit
-  def micro_step(params, state, batch, inject):
-    loss_scale = jaxmp.get_loss_scale(state)
-    _, grads = jaxmp.scaled_value_and_grad(mse, loss_scale)(params, batch)
-    grads = jax.tree_util.tree_map(lambda g: jnp.where(inject, jnp.nan * g, g), grads)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
+def micro_step_body(tx, params, state, batch, inject):
+  """One micro-batch: the scaled gradients (nan where ``inject``), then ``tx``."""
+  loss_scale = jaxmp.get_loss_scale(state)
+  _, grads = jaxmp.scaled_value_and_grad(mse, loss_scale)(params, batch)
+  grads = jax.tree_util.tree_map(lambda g: jnp.where(inject, jnp.nan * g, g), grads)
+  updates, state = tx.update(grads, state, params)
+  return optax.apply_updates(params, updates), state
 
-  return micro_step
+
+def make_micro_step(tx):
+  return jax.jit(functools.partial(micro_step_body, tx))
 
 
 def test_non_finite_micro_batch_skips_the_accumulated_step_once():
@@ -78,3 +82,155 @@ def test_unprotected_multisteps_is_poisoned_for_good():
     updates, state = tx.update(grads, state, params)
     params = optax.apply_updates(params, updates)
   assert bool(jnp.all(jnp.isnan(params["w"])))  # what multi_steps avoids
+
+
+# -- What an accumulation computes ----------------------------------------------
+
+
+def _bits(tree):
+  return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
+
+
+class AccumulationTest(chex.TestCase):
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_finite_micro_batches_step_as_optax_multisteps_does(self):
+    scale = jaxmp.DynamicLossScale(2.0**10)
+    for schedule, use_grad_mean in ((3, True), (lambda step: 2 + step, False)):
+      params0 = init_mlp(jax.random.key(3))
+      tx = jaxmp.multi_steps(optax.adam(1e-2), scale, schedule,
+                             use_grad_mean=use_grad_mean)
+      reference = optax.MultiSteps(optax.adam(1e-2), schedule,
+                                   use_grad_mean=use_grad_mean)
+      update = self.variant(tx.update)
+      params, state = params0, tx.init(params0)
+      ref_params, ref_state = params0, reference.init(params0)
+      k_of_step = schedule if callable(schedule) else lambda _: schedule
+      micro_batches = k_of_step(0) + k_of_step(1)  # two accumulated steps
+      for i in range(micro_batches):
+        batch = make_batch(i)
+        _, grads = jaxmp.scaled_value_and_grad(mse, jaxmp.get_loss_scale(state))(
+            params, batch)
+        updates, state = update(grads, state, params)
+        # optax.MultiSteps' running mean divides by its int32 counter.
+        with jax.numpy_dtype_promotion("standard"):
+          ref_updates, ref_state = reference.update(
+              jax.grad(mse)(ref_params, batch), ref_state, ref_params)
+        emitted = int(ref_state.mini_step) == 0
+        if not emitted:  # the updates in between leave every bit alone
+          assert _bits(updates) == _bits(jax.tree_util.tree_map(
+              lambda u: jnp.full_like(u, -0.0), updates))
+        params = optax.apply_updates(params, updates)
+        ref_params = optax.apply_updates(ref_params, ref_updates)
+        assert int(state.mini_step) == int(ref_state.mini_step)
+        assert int(state.gradient_step) == int(ref_state.gradient_step)
+        assert bool(reference.has_updated(state)) == emitted
+      # The sum and then the mean, against optax's running mean: rounding.
+      chex.assert_trees_all_close(params, ref_params, rtol=1e-5, atol=1e-7)
+      chex.assert_trees_all_close(state.inner_opt_state.inner_state,
+                                  ref_state.inner_opt_state, rtol=1e-5, atol=1e-8)
+      assert int(state.gradient_step) == 2
+      assert int(state.inner_opt_state.skipped_steps) == 0
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_the_accumulator_holds_the_unscaled_float32_sum(self):
+    params = {"w": jnp.zeros(3, jnp.bfloat16)}
+    tx = jaxmp.multi_steps(optax.sgd(1.0), jaxmp.StaticLossScale(16.0), 3)
+    update = self.variant(tx.update)
+    state = tx.init(params)
+    assert state.acc_grads["w"].dtype == jnp.float32
+    micro = [jnp.array([16.0, 48.0, -8.0], jnp.bfloat16),
+             jnp.array([0.5, 1.0, 3.0], jnp.bfloat16)]
+    _, state = update({"w": micro[0]}, state, params)
+    np.testing.assert_array_equal(state.acc_grads["w"], [1.0, 3.0, -0.5])
+    _, state = update({"w": micro[1]}, state, params)
+    np.testing.assert_array_equal(state.acc_grads["w"], [1.03125, 3.0625, -0.3125])
+    updates, state = update({"w": jnp.array([32.0, 0.0, 8.0], jnp.bfloat16)},
+                            state, params)
+    # The mean of the unscaled gradients, in the params' dtype, to sgd(1.0).
+    expected = (np.array([3.03125, 3.0625, 0.1875]) / 3).astype(jnp.bfloat16)
+    assert updates["w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(updates["w"], -expected)
+    np.testing.assert_array_equal(state.acc_grads["w"], [0.0, 0.0, 0.0])
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_guard_false_applies_a_nan_accumulation_on_its_last_micro_batch(self):
+    params = {"w": jnp.ones(2)}
+    tx = jaxmp.multi_steps(optax.adam(0.1), jaxmp.NoOpLossScale(), 2, guard=False)
+    update = self.variant(tx.update)
+    state = tx.init(params)
+    updates, new_state = update({"w": jnp.array([jnp.nan, 1.0])}, state, params)
+    assert _bits(updates) == _bits({"w": jnp.full(2, -0.0)})
+    assert _bits(new_state.inner_opt_state) == _bits(state.inner_opt_state)
+    updates, new_state = update({"w": jnp.ones(2)}, new_state, params)
+    assert bool(jnp.isnan(updates["w"][0])) and bool(jnp.isfinite(updates["w"][1]))
+    assert int(new_state.inner_opt_state.inner_state[0].count) == 1
+    assert int(new_state.inner_opt_state.skipped_steps) == 0
+
+
+def test_a_micro_step_compiles_once_and_needs_no_branch_or_host_transfer():
+  params0 = init_mlp(jax.random.key(9))
+  tx = jaxmp.multi_steps(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**10), K)
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def micro_step(params, state, batch, inject):
+    return micro_step_body(tx, params, state, batch, inject)
+
+  jaxpr = jax.make_jaxpr(functools.partial(micro_step_body, tx))(
+      params0, tx.init(params0), make_batch(0), jnp.asarray(False))
+  names = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
+  for eqn in jaxpr.jaxpr.eqns:
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      names |= {e.primitive.name for e in sub.eqns}
+  assert not names & {"cond", "while", "pure_callback", "io_callback", "debug_callback"}
+  batches = [jax.device_put(make_batch(i)) for i in range(2 * K)]
+  injects = [jax.device_put(jnp.asarray(i == 1)) for i in range(2 * K)]
+  params, state = params0, tx.init(params0)
+  params, state = micro_step(params, state, batches[0], injects[0])  # compiles
+  with jax.transfer_guard("disallow"):
+    for i in range(1, 2 * K):
+      params, state = micro_step(params, state, batches[i], injects[i])
+  assert int(state.inner_opt_state.skipped_steps) == 1
+  assert int(state.gradient_step) == 2
+
+
+
+# -- What an accumulation costs: compiler figures (deterministic) ---------------
+
+# jaxmp.multi_steps against optax.MultiSteps, unguarded: bytes accessed within
+# +2%, temp memory within +0.5%, and at most 2 more kernels per distinct
+# gradient shape (the norm's reduction) and 2 more for the loss scale's work.
+BYTES_OVER_MULTISTEPS = 1.02
+TEMP_OVER_MULTISTEPS = 1.005
+KERNELS_PER_SHAPE_OVER_MULTISTEPS = 2
+KERNELS_OF_THE_SCALE = 2
+
+
+def _scaling_benchmark():
+  import importlib  # pylint: disable=import-outside-toplevel
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+
+  benchmarks = str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks")
+  if benchmarks not in sys.path:
+    sys.path.insert(0, benchmarks)
+  return importlib.import_module("scaling")
+
+
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["no clip", "clip"])
+def test_accumulation_costs_no_more_than_optax_multisteps(clip):
+  scaling = _scaling_benchmark()
+  shapes = 8
+  # An elementwise loss: the optimizer and the guard are most of the step.
+  loss_fn, params, batch = scaling.leaves_loss(shapes, True, 200_000)
+  variants = scaling.accumulation_variants(loss_fn, clip_global_norm=clip)[:2]
+  # optax.MultiSteps' running mean divides by its int32 counter.
+  with jax.numpy_dtype_promotion("standard"):
+    figures = scaling.measure_problem(
+        scaling.Problem(variants, params, batch), repeats=1)
+  base, ours = figures["unguarded"], figures["jaxmp"]
+  assert ours["bytes_accessed"] <= BYTES_OVER_MULTISTEPS * base["bytes_accessed"]
+  assert ours["temp_bytes"] <= TEMP_OVER_MULTISTEPS * base["temp_bytes"]
+  assert ours["kernels"] <= (base["kernels"] + KERNELS_PER_SHAPE_OVER_MULTISTEPS * shapes
+                             + KERNELS_OF_THE_SCALE)

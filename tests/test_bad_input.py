@@ -1041,6 +1041,25 @@ GUARD_COST_CASES = [
 ]
 CASES += GUARD_COST_CASES
 
+# Accumulation: multi_steps' use_grad_mean, and the state its update takes.
+ACCUMULATION_CASES = [
+    Case("multi_steps: use_grad_mean as a string",
+         lambda: jaxmp.multi_steps(optax.sgd(0.1), jaxmp.NoOpLossScale(), 2,
+                                   use_grad_mean="yes"),
+         TypeError, r"jaxmp\.multi_steps: use_grad_mean must be True or False, got 'yes'",
+         r"True passes the mean of the micro-batches' gradients to the "
+         r"optimizer, False their sum"),
+    Case("multi_steps: update with the state of another optimizer",
+         lambda: jaxmp.multi_steps(optax.sgd(0.1), jaxmp.NoOpLossScale(), 2).update(
+             PARAMS, optax.MultiSteps(optax.sgd(0.1), 2).init(PARAMS), PARAMS),
+         TypeError, r"The state passed to the update of jaxmp\.multi_steps is a "
+         r"MultiStepsState, not the optax\.MultiStepsState holding a "
+         r"LossScalingState that its init returned",
+         r"Pass the state returned by tx\.init\(params\)"),
+]
+
+CASES += ACCUMULATION_CASES
+
 
 # -- Precision fallback ---------------------------------------------------------
 # jaxmp.PrecisionFallback, jaxmp.switch_precision, jaxmp.flax.find_overflowing_modules

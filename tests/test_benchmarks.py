@@ -132,3 +132,25 @@ def test_overhead_table_names_an_accelerator():
   assert "| jaxmp | 1.015× | +1.5% | n/a | +1.5% | 1.01× | n/a |" in table
   assert "live at the peak" not in table
   assert "Accelerator: NVIDIA H200" in table and "CPU only" not in table
+
+
+def test_scaling_table_puts_each_setting_against_its_unguarded_step():
+  import scaling  # pylint: disable=import-outside-toplevel
+
+  def figures(ratio, kernels, extra):
+    return {"bytes_accessed_ratio": ratio, "temp_ratio": 1.0, "kernels": kernels,
+            "compile_seconds": 2.0 * ratio, "compile_ratio": ratio,
+            "extra_bytes_per_param": extra, "parameters": 4_100_000, "leaves": 86}
+
+  results = {
+      "config": {"settings": ["params"], "repeats": 3},
+      "machine": {"platform": "cpu", "device_kind": "cpu", "cpu_count": 2,
+                  "jax": "0.0", "optax": "0.0", "flax": "0.0", "jmp": "0.0"},
+      "settings": {"transformer 4M": {"unguarded": figures(1.0, 130, 0.0),
+                                      "jaxmp": figures(1.01, 179, 4.03)}},
+  }
+  table = scaling.markdown(results)
+  assert table.startswith("| setting | variant | bytes accessed | extra B/param |")
+  assert ("| transformer 4M (4.1M params, 86 leaves) | jaxmp | +1.00% | +4.03 | "
+          "+0.00% | 179 (+49) | 2.02 | 1.01× |") in table
+  assert "median CPU seconds of 3 fresh traces" in table

@@ -163,10 +163,7 @@ def test_printed_code_trains_with_accumulation(tmp_path, capsys, precision):
   def micro_step(params, opt_state, batch):
     loss_scale = jaxmp.get_loss_scale(opt_state)
     _, grads = jaxmp.scaled_value_and_grad(loss_fn, loss_scale)(params, batch)
-    # optax.MultiSteps's running mean divides by its int32 micro-step
-    # counter, which strict dtype promotion refuses.
-    with jax.numpy_dtype_promotion("standard"):
-      updates, opt_state = tx.update(grads, opt_state, params)
+    updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
   params = {"w": jnp.array([0.5, -0.25, 1.0]), "b": jnp.array(0.1)}

@@ -469,8 +469,10 @@ DECISIONS = _decision_table()
 
 
 def _forms_of_the_check(grads):
-  """The flag of every form of the check: all_finite, and the update's flag
-  without clipping and with clipping (the norm's flag), jitted or not."""
+  """The flag of every form of the check: all_finite, the update's flag
+  without clipping and with clipping (the norm's flag), and multi_steps' flag
+  on the accumulated sum (the gradients in one micro-batch of one, or then
+  zeros in a second), jitted or not."""
   flags = {
       "all_finite": jaxmp.all_finite(grads),
       "all_finite jitted": jax.jit(jaxmp.all_finite)(grads),
@@ -483,6 +485,16 @@ def _forms_of_the_check(grads):
       update = jax.jit(tx.update) if jitted else tx.update
       _, state = update(grads, tx.init(params), params)
       flags[f"loss_scaling clip={clip} jit={jitted}"] = state.last_finite
+    for k in (1, 2):
+      accumulate = jaxmp.multi_steps(optax.sgd(1.0), jaxmp.NoOpLossScale(), k,
+                                     clip_global_norm=clip)
+      for jitted in (False, True):
+        update = jax.jit(accumulate.update) if jitted else accumulate.update
+        state = accumulate.init(params)
+        for micro_batch in [grads] + [params] * (k - 1):
+          _, state = update(micro_batch, state, params)
+        flags[f"multi_steps k={k} clip={clip} jit={jitted}"] = (
+            state.inner_opt_state.last_finite)
   return {name: bool(flag) for name, flag in flags.items()}
 
 

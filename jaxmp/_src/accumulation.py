@@ -1,4 +1,4 @@
-"""Gradient accumulation with loss scaling, built on ``optax.MultiSteps``."""
+"""Gradient accumulation with loss scaling, in the state of ``optax.MultiSteps``."""
 
 from __future__ import annotations
 
@@ -8,10 +8,25 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxmp._src.inplace_select import check_same_structure
 from jaxmp._src.loss_scale import LossScale
-from jaxmp._src.loss_scaling import wrap_with_loss_scaling
-from jaxmp._src.recovery import check_recovery, backed_off_after_fallback
-from jaxmp._src.validation import check_number
+from jaxmp._src.loss_scaling import (
+    LossScalingState,
+    agree_on_finite,
+    check_guard_options,
+    clip_and_check,
+    global_norm_and_finite,
+    step_or_skip,
+    wrap_with_loss_scaling,
+)
+from jaxmp._src.recovery import (
+    backed_off_after_fallback,
+    check_recovery,
+    computed_at,
+)
+from jaxmp._src.validation import check_bool, check_number
+
+OWNER = "jaxmp.multi_steps"
 
 
 def multi_steps(
@@ -22,40 +37,49 @@ def multi_steps(
     axis_name: Any = None,
     clip_global_norm: float | None = None,
     guard: bool = True,
-    **multi_steps_kwargs: Any,
+    use_grad_mean: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
   """``optax.MultiSteps(jaxmp.loss_scaling(inner, loss_scale), k)``, made safe.
 
   Call ``update`` once per micro-batch with the gradients of the *scaled*
   loss, exactly as with ``optax.MultiSteps``. The loss scale stays constant
-  within an accumulation, so the accumulated gradients share one scale; on the
-  k-th micro-batch they are unscaled and checked. If any micro-batch of the
+  within an accumulation. On the k-th micro-batch the accumulated gradients
+  are checked and, if finite, passed to ``inner``. If any micro-batch of the
   accumulation was non-finite, the whole accumulated step is skipped (zero
   updates, inner state bit-identical), the scale backs off once, and the next
   accumulation starts from a clean, zero accumulator.
 
+  **The accumulator** (``state.acc_grads``) holds the running *sum* of the
+  *unscaled* gradients, in float32 (in the gradients' dtype where it is wider,
+  such as float64): each micro-batch is unscaled by the scale it was computed
+  at and added. On the k-th micro-batch the sum (divided by k with
+  ``use_grad_mean``) goes to ``inner`` in the gradients' dtype, and the
+  accumulator is set to zero with ``jnp.where``: a nan in it does not survive
+  (``optax.MultiSteps`` multiplies it by zero, and ``0 * nan = nan``). An inf
+  or nan in any micro-batch makes the sum non-finite, so checking the sum
+  decides for the whole accumulation; finite micro-batches whose sum
+  overflows float32 are skipped too.
+
+  The micro-batches in between cost what those of ``optax.MultiSteps`` cost:
+  the inner update runs on every micro-batch, as in ``optax.MultiSteps``, and
+  its state is selected in place, with no ``lax.cond``, no host
+  synchronisation and no copy of the state. Their updates are ``-0.0``.
+
   **Recovery.** With gradients from
   ``jaxmp.scaled_value_and_grad(..., recover=jaxmp.Recover())``, pass
-  ``update(grads, state, params, recovery=recovery)`` for each micro-batch. A
-  micro-batch recovered at a backed-off scale makes the whole accumulation
-  adopt that scale at once: the accumulator is rescaled by ``new / old`` (a
-  power of two for the default factors, so exact barring underflow), the
-  fallback's gradients (computed at scale 1) are multiplied by the new scale,
-  both in float32, and the next micro-batches are computed at the new scale.
-  ``recovered_steps`` and ``fallback_steps`` count micro-batches;
-  ``skipped_steps`` and ``lost_steps`` count optimizer steps (a micro-batch
-  lost even after recovery loses its accumulation, as above).
-
-  ``optax.MultiSteps`` alone resets its accumulator by multiplying it by zero,
-  which keeps a nan (``0 * nan = nan``): one bad micro-batch would make every
-  later accumulated step non-finite. This wrapper zeroes the accumulator with
-  ``jnp.where`` after each emitted step instead.
+  ``update(grads, state, params, recovery=recovery)`` for each micro-batch.
+  The micro-batch is unscaled by the scale it was computed at (1 after a
+  fallback); the accumulator, already unscaled, needs no rescaling; and a
+  backed-off scale is adopted at once, so that the next micro-batches are
+  computed at it. ``recovered_steps`` and ``fallback_steps`` count
+  micro-batches; ``skipped_steps`` and ``lost_steps`` count optimizer steps
+  (a micro-batch lost even after recovery loses its accumulation, as above).
 
   The state is ``optax.MultiStepsState``: ``jaxmp.get_loss_scale``,
   ``jaxmp.loss_scaling_metrics`` and ``optax.MultiSteps.has_updated`` read it.
 
   Args:
-    inner: the optimizer to wrap (clipping and schedules inside).
+    inner: the optimizer to wrap (schedules and weight decay inside).
     loss_scale: the initial loss scale.
     every_k_schedule: the number of micro-batches per step, an int or a
       function of the step count, as in ``optax.MultiSteps``.
@@ -65,14 +89,15 @@ def multi_steps(
       same reduction, on the k-th micro-batch.
     guard: as in :func:`jaxmp.loss_scaling` (``False`` only with
       :class:`jaxmp.NoOpLossScale`).
-    **multi_steps_kwargs: passed to ``optax.MultiSteps`` (e.g.
-      ``use_grad_mean``).
+    use_grad_mean: as in ``optax.MultiSteps``: pass the mean of the
+      micro-batches' gradients to ``inner`` (the default), else their sum.
 
   Raises:
-    TypeError: if ``every_k_schedule`` is neither a function nor an integer.
-    ValueError: if it is an integer below 1; from ``init``, if ``inner`` is
-      already wrapped with :func:`jaxmp.loss_scaling` (pass the bare
-      optimizer).
+    TypeError: if ``every_k_schedule`` is neither a function nor an integer,
+      or ``use_grad_mean`` is not a bool.
+    ValueError: if ``every_k_schedule`` is an integer below 1; from ``init``,
+      if ``inner`` is already wrapped with :func:`jaxmp.loss_scaling` (pass
+      the bare optimizer).
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxmp
@@ -86,68 +111,149 @@ def multi_steps(
     >>> state.acc_grads["w"]  # and the accumulator starts clean
     Array([0., 0.], dtype=float32)
   """
-  if not callable(every_k_schedule):
-    every_k_schedule = check_number(
-        "multi_steps", "every_k_schedule", every_k_schedule, integer=True,
+  if callable(every_k_schedule):
+    every_k = every_k_schedule
+  else:
+    k = check_number(
+        OWNER, "every_k_schedule", every_k_schedule, integer=True,
         minimum=1, advice="Pass the number of micro-batches per step, or a "
         "function of the step count.")
-  accumulate = optax.MultiSteps(
-      wrap_with_loss_scaling(
-          inner, loss_scale, axis_name=axis_name, owner="jaxmp.multi_steps",
-          clip_global_norm=clip_global_norm, guard=guard,
-          nested_fix="jaxmp.multi_steps wraps the optimizer with "
-          "jaxmp.loss_scaling itself: pass the bare optimizer, "
-          "jaxmp.multi_steps(optax.adamw(1e-3), loss_scale, k)."),
-      every_k_schedule,
-      **multi_steps_kwargs,
-  )
+    every_k = lambda _: k
+  use_grad_mean = check_bool(
+      OWNER, "use_grad_mean", use_grad_mean, advice="True passes the mean "
+      "of the micro-batches' gradients to the optimizer, False their sum.")
+  scaling = wrap_with_loss_scaling(
+      inner, loss_scale, axis_name=axis_name, owner=OWNER,
+      clip_global_norm=clip_global_norm, guard=guard,
+      nested_fix="jaxmp.multi_steps wraps the optimizer with "
+      "jaxmp.loss_scaling itself: pass the bare optimizer, "
+      "jaxmp.multi_steps(optax.adamw(1e-3), loss_scale, k).")
+  clip_global_norm, guard = check_guard_options(
+      OWNER, loss_scale, clip_global_norm, guard)
+  inner = optax.with_extra_args_support(inner)
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def init_fn(params):
+    return optax.MultiStepsState(
+        mini_step=jnp.zeros([], jnp.int32),
+        gradient_step=jnp.zeros([], jnp.int32),
+        inner_opt_state=scaling.init(params),
+        acc_grads=jax.tree_util.tree_map(
+            lambda p: jnp.zeros(jnp.shape(p), _accumulator_dtype(p)), params),
+        skip_state=(),
+    )
+
+  def update_fn(grads, state, params=None, **extra_args):
+    _check_state(state)
+    if params is not None:
+      check_same_structure(
+          grads, params, owner=f"{OWNER}'s update",
+          names=("the gradients", "the params"),
+          fix="Differentiate with respect to the same params you pass to "
+          "update (e.g. jaxmp.scaled_value_and_grad(loss_fn, loss_scale)"
+          "(params)).")
     recovery = extra_args.pop("recovery", None)
-    if recovery is not None:
-      updates, state = _adopt_recovery(updates, state, recovery)
-    updates, state = accumulate.update(updates, state, params, **extra_args)
-    emitted = state.mini_step == 0
-    acc_grads = optax.tree.where(
-        emitted, optax.tree.zeros_like(state.acc_grads), state.acc_grads)
-    return updates, state._replace(acc_grads=acc_grads)
+    scaling_state = state.inner_opt_state
+    if recovery is None:
+      scale_of_grads = scaling_state.loss_scale
+    else:
+      scale_of_grads, scaling_state = _adopt_recovery(scaling_state, recovery)
+    k_steps = jnp.asarray(every_k(state.gradient_step), jnp.int32)
+    emit = state.mini_step == k_steps - 1
+    # The sum so far, in the accumulator's dtype and unscaled; one pass that
+    # XLA fuses with the unscale and with every reader of the sum.
+    total = jax.tree_util.tree_map(
+        lambda acc, g: acc + g, state.acc_grads,
+        scale_of_grads.unscale(jax.tree_util.tree_map(
+            lambda g, acc: g.astype(acc.dtype), grads, state.acc_grads)))
 
-  return optax.GradientTransformationExtraArgs(accumulate.init, update_fn)
+    def to_inner(t, g):
+      if use_grad_mean:
+        t = t / k_steps.astype(t.dtype)
+      return t.astype(g.dtype)
+
+    checked = jax.tree_util.tree_map(to_inner, total, grads)
+    if clip_global_norm is None:
+      # The flag of the norm's reduction, as with clipping (the same
+      # decision as jaxmp.all_finite). XLA:CPU fuses the boolean reduction of
+      # all_finite with the sum, which it then recomputes in every reader,
+      # one of which zeroes the accumulator in place: so it would copy the
+      # accumulator first. With the norm's reduction, it writes the sum once.
+      finite = global_norm_and_finite(checked)[2]
+    else:
+      checked, finite = clip_and_check(checked, clip_global_norm)
+    if guard:
+      finite = agree_on_finite(finite, axis_name, OWNER)
+      applies = emit & finite
+    else:
+      applies = emit
+    updates, inner_state = step_or_skip(
+        lambda g, s, p: inner.update(g, s, p, **extra_args),
+        applies, checked, scaling_state.inner_state, params)
+    scaling_state = scaling_state._replace(inner_state=inner_state)
+    if guard:
+      lost = (emit & jnp.logical_not(finite)).astype(jnp.int32)
+      scaling_state = scaling_state._replace(
+          loss_scale=optax.tree.where(
+              emit, scaling_state.loss_scale.adjust(finite),
+              scaling_state.loss_scale),
+          skipped_steps=scaling_state.skipped_steps + lost,
+          last_finite=jnp.where(emit, finite, scaling_state.last_finite),
+          lost_steps=scaling_state.lost_steps + lost,
+      )
+    new_state = optax.MultiStepsState(
+        mini_step=jnp.where(emit, jnp.zeros([], jnp.int32), state.mini_step + 1),
+        gradient_step=jnp.where(
+            emit, optax.safe_increment(state.gradient_step), state.gradient_step),
+        inner_opt_state=scaling_state,
+        # Zeroed with a select, not a product: a nan does not survive.
+        acc_grads=jax.tree_util.tree_map(
+            lambda t: jnp.where(emit, jnp.zeros_like(t), t), total),
+        skip_state=state.skip_state,
+    )
+    return updates, new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _times(tree: Any, factor: jax.Array) -> Any:
-  """Each leaf times the float32 ``factor``, computed in at least float32."""
-  return jax.tree_util.tree_map(
-      lambda x: (x.astype(jnp.promote_types(x.dtype, jnp.float32)) * factor
-                 ).astype(x.dtype), tree)
+def _accumulator_dtype(param: Any) -> Any:
+  """float32, or the param's dtype where it is a wider float (or complex)."""
+  dtype = jnp.dtype(jnp.result_type(param))
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return dtype if dtype.itemsize > 8 else jnp.dtype(jnp.complex64)
+  if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize > 4:
+    return dtype
+  return jnp.dtype(jnp.float32)
 
 
-def _adopt_recovery(grads: Any, state: optax.MultiStepsState,
-                    recovery: Any) -> tuple[Any, optax.MultiStepsState]:
-  """Puts a recovered micro-batch and the accumulator in the same scale units.
+def _check_state(state: Any) -> None:
+  if not (isinstance(state, optax.MultiStepsState)
+          and isinstance(state.inner_opt_state, LossScalingState)):
+    raise TypeError(
+        f"The state passed to the update of {OWNER} is a "
+        f"{type(state).__name__}, not the optax.MultiStepsState holding a "
+        "LossScalingState that its init returned. Pass the state returned "
+        "by tx.init(params).")
 
-  The accumulation adopts the recovered, backed-off scale at once: the
-  accumulator is multiplied by ``new / old`` (at most 1, a power of two for
-  the default factors, so exact barring underflow), the fallback's gradients
-  (computed at scale 1) by the new scale, both in float32, and the
-  loss-scaling state takes the new scale, so that the next micro-batches are
-  computed at it. ``recovered_steps`` and ``fallback_steps`` count
-  micro-batches; ``skipped_steps`` and ``lost_steps`` optimizer steps.
+
+def _adopt_recovery(scaling: LossScalingState, recovery: Any
+                    ) -> tuple[LossScale, LossScalingState]:
+  """The scale a recovered micro-batch was computed at, and the new state.
+
+  The micro-batch is unscaled by the scale its gradients were computed at (1
+  after a fallback), so the unscaled accumulator needs no rescaling. The
+  loss-scaling state takes the recovered, backed-off scale at once, so that
+  the next micro-batches are computed at it. ``recovered_steps`` and
+  ``fallback_steps`` count micro-batches.
   """
-  scaling = state.inner_opt_state
-  recovery = check_recovery(recovery, scaling.loss_scale, "jaxmp.multi_steps")
-  new_scale = backed_off_after_fallback(recovery)
-  old_value = jnp.asarray(scaling.loss_scale.loss_scale, jnp.float32)
-  new_value = jnp.asarray(new_scale.loss_scale, jnp.float32)
+  recovery = check_recovery(recovery, scaling.loss_scale, OWNER)
   fell_back = jnp.asarray(recovery.fell_back)
   finite = jnp.asarray(recovery.finite)
   recovered = (jnp.asarray(recovery.retries) > 0) | fell_back
-  grads = _times(grads, jnp.where(fell_back, new_value, jnp.float32(1)))
-  acc_grads = _times(state.acc_grads, new_value / old_value)
   scaling = scaling._replace(
-      loss_scale=new_scale,
+      loss_scale=backed_off_after_fallback(recovery),
       recovered_steps=scaling.recovered_steps
       + (recovered & finite).astype(jnp.int32),
       fallback_steps=scaling.fallback_steps + (fell_back & finite).astype(jnp.int32),
   )
-  return grads, state._replace(inner_opt_state=scaling, acc_grads=acc_grads)
+  return computed_at(recovery), scaling
+

@@ -18,7 +18,9 @@ gradients by ``all_finite``).
 
 The re-evaluation relies on a few JAX internals (the jaxpr's ``Var`` and
 ``Literal`` atoms, ``Primitive.get_bind_params``, the equation's context
-manager, and the varying-manual-axes type of ``shard_map`` values). Each is
+manager, and the varying-manual-axes type of ``shard_map`` values, which a
+jaxpr traced inside ``shard_map`` keeps, so that the re-evaluation works
+there too, with sharded, varying optimizer states). Each is
 touched in exactly one helper below, and one compatibility test exercises
 them all. If a JAX release breaks them, set the environment variable
 ``JAXMP_INPLACE_SELECT=0`` to use the plain select (same values, one more copy
@@ -134,14 +136,26 @@ def _bind_equation(eqn: Any, invals: list[Any]) -> list[Any]:
   return list(out) if eqn.primitive.multiple_results else [out]
 
 
+def _manual_axes(aval: Any) -> frozenset:
+  """The ``shard_map`` axes an abstract value varies over (the name moved in JAX)."""
+  manual = getattr(aval, "manual_axis_type", None)
+  return frozenset(getattr(aval, "vma", None) or getattr(manual, "varying", None)
+                   or ())
+
+
 def _varies_over_manual_axes(tree: Any) -> bool:
-  """Whether a leaf varies over a ``shard_map`` axis (the name moved in JAX)."""
-  for x in jax.tree_util.tree_leaves(tree):
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)
-    if getattr(aval, "vma", None) or getattr(manual, "varying", None):
-      return True
-  return False
+  """Whether a leaf varies over a ``shard_map`` axis."""
+  return any(_manual_axes(jax.typeof(x)) for x in jax.tree_util.tree_leaves(tree))
+
+
+def _keeps_manual_axes(jaxpr: Any, leaves: Sequence[Any]) -> bool:
+  """Whether the jaxpr's inputs vary over the ``shard_map`` axes ``leaves`` do.
+
+  A JAX whose traced jaxprs dropped these types would re-evaluate the update
+  with the wrong ones inside ``shard_map``.
+  """
+  return all(_manual_axes(var.aval) == _manual_axes(jax.typeof(x))
+             for var, x in zip(jaxpr.invars, leaves))
 
 
 def _is_traced(tree: Any) -> bool:
@@ -191,18 +205,18 @@ def update_or_keep(
     Array([0., 0.], dtype=float32)
   """
   inputs = (finite, grads, state, params)
-  if (not _is_traced(inputs) or _varies_over_manual_axes(inputs)
-      or not inplace_select_enabled()):
+  if not _is_traced(inputs) or not inplace_select_enabled():
     # Outside jit there is no fusion to help (and concrete values may take
-    # other paths, e.g. integer powers); inside shard_map a re-traced jaxpr
-    # loses the varying-axes types of its inputs; and the switch turns it off.
-    # Select whole trees there.
-    updates, new_state = update(grads, state, params)
-    _check_state(new_state, state)
-    return updates, optax.tree.where(finite, new_state, state)
+    # other paths, e.g. integer powers), and the switch turns it off.
+    return _update_then_select(update, finite, grads, state, params)
   closed, (updates_shape, state_shape) = jax.make_jaxpr(
       update, return_shape=True)(grads, state, params)
   _check_state(state_shape, state)
+  if not _keeps_manual_axes(closed.jaxpr,
+                            jax.tree_util.tree_leaves((grads, state, params))):
+    # Inside shard_map, with a JAX whose jaxprs do not keep the varying
+    # manual axes of their inputs (JAX 0.10 keeps them).
+    return _update_then_select(update, finite, grads, state, params)
   try:
     outs = _evaluate_with_select(closed, finite, (grads, state, params),
                                  len(jax.tree_util.tree_leaves(updates_shape)))
@@ -220,6 +234,13 @@ def update_or_keep(
   new_state = jax.tree_util.tree_unflatten(
       jax.tree_util.tree_structure(state), outs[n_updates:])
   return updates, new_state
+
+
+def _update_then_select(update, finite, grads, state, params):
+  """The plain select: the inner update, then a select of whole trees."""
+  updates, new_state = update(grads, state, params)
+  _check_state(new_state, state)
+  return updates, optax.tree.where(finite, new_state, state)
 
 
 def _check_state(new_state: Any, state: Any) -> None:
@@ -249,12 +270,17 @@ def _evaluate_with_select(closed: Any, finite: jax.Array, inputs: Any,
     if _is_var(var):
       places[var] = places.get(var, 0) + 1
   jaxpr_inputs = set(jaxpr.invars) | set(jaxpr.constvars)
+  # Inside shard_map, a flag that varies over axes a leaf does not (no
+  # axis_name) would make the selected leaf vary too, and the equations after
+  # it were traced for a leaf that does not: select such leaves at the output.
+  flag_axes = _manual_axes(jax.typeof(finite))
   select_at = {
       var: old
       for var, old in zip(state_vars, old_leaves)
       if _is_var(var) and places[var] == 1 and var not in jaxpr_inputs
       and tuple(var.aval.shape) == tuple(jnp.shape(old))
       and var.aval.dtype == getattr(old, "dtype", None)
+      and flag_axes <= _manual_axes(var.aval)
   }
 
   def select(value, old):

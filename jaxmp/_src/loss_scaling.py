@@ -225,22 +225,10 @@ def wrap_with_loss_scaling(
       inner_updates, inner_state = inner.update(
           grads, state.inner_state, params, **extra_args)
       return inner_updates, state._replace(inner_state=inner_state)
-    finite = agree_across(
-        finite, axis_name,
-        f"{owner}(axis_name={axis_name!r}): that axis name is "
-        "not bound where update runs. Call update inside jax.shard_map or "
-        "jax.pmap over that axis, or drop axis_name under plain jax.jit, "
-        "where the finiteness check over sharded arrays is already global.")
-    # The old inner state is selected where each new leaf is produced, so that
-    # XLA writes it once, in place (see inplace_select.py).
-    inner_updates, inner_state = update_or_keep(
+    finite = agree_on_finite(finite, axis_name, owner)
+    updates, inner_state = step_or_skip(
         lambda g, s, p: inner.update(g, s, p, **extra_args),
-        finite, grads, state.inner_state, params,
-    )
-    # On a skipped step, -0.0 is the exact identity of `p + u` (even for p=-0.0).
-    updates = jax.tree_util.tree_map(
-        lambda u: jnp.where(finite, u, jnp.asarray(-0.0, u.dtype)), inner_updates
-    )
+        finite, grads, state.inner_state, params)
     lost = jnp.logical_not(finite).astype(jnp.int32)
     new_state = LossScalingState(
         inner_state=inner_state,
@@ -279,6 +267,33 @@ def _refuse_fp8_meta(updates: Any, owner: str) -> None:
         "['last_finite'], new_meta, old_meta).")
 
 
+def agree_on_finite(finite: jax.Array, axis_name: AxisName | None,
+                    owner: str) -> jax.Array:
+  """The finiteness flag, made one across ``axis_name`` (see agree_across)."""
+  return agree_across(
+      finite, axis_name,
+      f"{owner}(axis_name={axis_name!r}): that axis name is "
+      "not bound where update runs. Call update inside jax.shard_map or "
+      "jax.pmap over that axis, or drop axis_name under plain jax.jit, "
+      "where the finiteness check over sharded arrays is already global.")
+
+
+def step_or_skip(update: Any, applies: jax.Array, grads: Any, inner_state: Any,
+                 params: Any) -> tuple[Any, Any]:
+  """``update(grads, inner_state, params)`` where ``applies``, else a skip.
+
+  Where ``applies`` is false, the updates are ``-0.0`` (the exact identity of
+  ``p + u``, even for ``p = -0.0``) and the state is ``inner_state``,
+  bit-identical. The old state is selected where each new leaf is produced,
+  so that XLA writes it once, in place (see inplace_select.py).
+  """
+  inner_updates, inner_state = update_or_keep(
+      update, applies, grads, inner_state, params)
+  updates = jax.tree_util.tree_map(
+      lambda u: jnp.where(applies, u, jnp.asarray(-0.0, u.dtype)), inner_updates)
+  return updates, inner_state
+
+
 # The check, and the clipping that shares its reduction.
 
 # A power of two that scales finite float32 values down before squaring, so
@@ -314,6 +329,19 @@ def _add_pairs(a, b):
   return a[0] + b[0], a[1] + b[1]
 
 
+def _sum_once(parts: list[jax.Array]) -> jax.Array:
+  """The sum of scalars, computed once, by an op that XLA does not copy.
+
+  A chain of scalar adds (or a ``jnp.sum`` of them, which XLA splits back
+  into one) is cheap, so XLA copies it into every kernel that reads the
+  result: with one reader per leaf, each kernel then takes every leaf's
+  partial sum, no two are alike, and each is compiled apart. The last
+  element of a cumulative sum (a reduce-window, which XLA does not copy)
+  is the same sum, read by every kernel as one scalar.
+  """
+  return jnp.cumsum(jnp.stack(parts))[-1]
+
+
 def global_norm_and_finite(tree: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
   """The global norm of ``tree`` in float32, safe against overflow.
 
@@ -344,7 +372,7 @@ def global_norm_and_finite(tree: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
   if not plain:
     one = jnp.ones([], jnp.float32)
     return one, jnp.zeros([], jnp.float32), jnp.array(True)
-  plain_sum, scaled_sum = sum(plain), sum(scaled)
+  plain_sum, scaled_sum = _sum_once(plain), _sum_once(scaled)
   use_plain = jnp.isfinite(plain_sum)
   scale = jnp.where(use_plain, 1.0, _HUGE_NORM_SCALE).astype(jnp.float32)
   scaled_norm = jnp.sqrt(jnp.where(use_plain, plain_sum, scaled_sum))
@@ -355,7 +383,7 @@ def clip_and_check(grads: Any, clip_global_norm: float | None
                    ) -> tuple[Any, jax.Array]:
   """``(grads, all_finite(grads))``, or the clipped grads and the norm's flag.
 
-  With ``clip_global_norm``, each leaf ``t`` becomes ``t / norm * max_norm``
+  With ``clip_global_norm``, each leaf ``t`` becomes ``t * (max_norm / norm)``
   where the global norm is at least ``max_norm`` (as
   ``optax.clip_by_global_norm`` computes it), and the flag comes from the
   same reduction (:func:`global_norm_and_finite`).
@@ -364,12 +392,15 @@ def clip_and_check(grads: Any, clip_global_norm: float | None
     return grads, all_finite(grads)
   scale, scaled_norm, finite = global_norm_and_finite(grads)
   keep = scaled_norm < clip_global_norm * scale
+  # One scalar division: an elementwise division is an expensive op to XLA,
+  # whose result it then writes to memory instead of fusing it.
+  factor = clip_global_norm / scaled_norm
 
   def clip(t):
     if not jnp.issubdtype(t.dtype, jnp.inexact):
       return t
     wide = t if t.dtype == jnp.float32 else t.astype(jnp.float32)
-    clipped = (wide * scale / scaled_norm) * clip_global_norm
+    clipped = (wide * scale) * factor
     return jax.lax.select(keep, t, clipped.astype(t.dtype))
 
   return jax.tree_util.tree_map(clip, grads), finite
