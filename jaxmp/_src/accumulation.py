@@ -91,6 +91,9 @@ def multi_steps(
       :class:`jaxmp.NoOpLossScale`).
     use_grad_mean: as in ``optax.MultiSteps``: pass the mean of the
       micro-batches' gradients to ``inner`` (the default), else their sum.
+      ``optax.MultiSteps``' other options are not taken: the guard is what
+      skips (no ``should_skip_update_fn``), and the accumulator is float32
+      (no ``accumulator_dtype``).
 
   Raises:
     TypeError: if ``every_k_schedule`` is neither a function nor an integer,
@@ -159,8 +162,9 @@ def multi_steps(
       scale_of_grads, scaling_state = _adopt_recovery(scaling_state, recovery)
     k_steps = jnp.asarray(every_k(state.gradient_step), jnp.int32)
     emit = state.mini_step == k_steps - 1
-    # The sum so far, in the accumulator's dtype and unscaled; one pass that
-    # XLA fuses with the unscale and with every reader of the sum.
+    # The sum so far, unscaled, in the accumulator's dtype. XLA writes it
+    # once (see the check below); the check, the inner update and the select
+    # that zeroes the accumulator read it.
     total = jax.tree_util.tree_map(
         lambda acc, g: acc + g, state.acc_grads,
         scale_of_grads.unscale(jax.tree_util.tree_map(
