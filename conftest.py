@@ -72,8 +72,6 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs",
                   float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
-jax.config.update("jax_compilation_cache_max_size",
-                  int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
 
 # Functions of the dependencies that strict promotion refuses, as
 # (module, attribute): reason. They run under standard promotion.
