@@ -187,6 +187,16 @@ def _dtype_promotion(request):
     yield
 
 
+def pytest_configure(config):
+  # pytest-xdist's --dist loadscope puts the modules with the most tests first
+  # unless told not to (--no-loadscope-reorder), which would start the few
+  # long integration modules (benchmarks, several processes) last, one
+  # worker running them alone at the end. Keep the order that
+  # pytest_collection_modifyitems below gives.
+  if getattr(config.option, "loadscopereorder", None):
+    config.option.loadscopereorder = False
+
+
 def pytest_addoption(parser):
   parser.addoption(
       "--run-slow", action="store_true", default=False,
