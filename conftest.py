@@ -23,11 +23,10 @@ jaxmp, so both run alike:
 Compiled programs are kept between runs in ``.pytest_cache/jax-compilation-cache``
 (JAX's persistent compilation cache; ``JAX_COMPILATION_CACHE_DIR`` chooses
 another folder): the first run compiles everything, later runs of unchanged
-code skip XLA's compilation (tracing and lowering still run). The settings are
-passed on in the environment, so the processes the tests start (the examples,
-the command line, the docs' figure script, the workers of the multi-process
-test) share the cache. Delete the folder, or run ``pytest --cache-clear``, to
-start afresh.
+code skip XLA's compilation (tracing and lowering still run). A test that starts
+a Python process can pass it the same cache with the ``compilation_cache_env``
+fixture (the multi-process workers, the fault-injection script do). Delete the
+folder, or run ``pytest --cache-clear``, to start afresh.
 
 The tiers:
 
@@ -51,15 +50,6 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
-# JAX's persistent compilation cache, for this process and (through the
-# environment, which JAX reads when it starts) for the processes it starts.
-if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = str(
-      ROOT / ".pytest_cache" / "jax-compilation-cache")
-# The tests' programs are small: cache them all. At most 512 MiB, the least
-# recently used go first.
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2**29))
 
 import functools  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import importlib  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
@@ -69,12 +59,12 @@ import pytest  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-po
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
-# In case JAX was imported before this file (by a plugin), the same settings.
-jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
-jax.config.update("jax_compilation_cache_max_size",
-                  int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+  jax.config.update(
+      "jax_compilation_cache_dir",
+      str(ROOT / ".pytest_cache" / "jax-compilation-cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # the tests' programs are small
+jax.config.update("jax_compilation_cache_max_size", 2**29)  # least recently used go first
 
 # Functions of the dependencies that strict promotion refuses, as
 # (module, attribute): reason. They run under standard promotion.
@@ -185,6 +175,23 @@ def _dtype_promotion(request):
         "@pytest.mark.standard_promotion(reason=...)")
   with jax.numpy_dtype_promotion("standard"):
     yield
+
+
+@pytest.fixture
+def compilation_cache_env():
+  """``os.environ`` with this session's compilation-cache settings, for a new process.
+
+  JAX reads them from the environment when it starts. They are not passed to
+  every process the tests start: one that reads XLA's dump of a compilation
+  (benchmarks/overhead.py) finds none when the compilation is a cache hit.
+  """
+  return dict(
+      os.environ,
+      JAX_COMPILATION_CACHE_DIR=str(jax.config.jax_compilation_cache_dir),
+      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=str(
+          jax.config.jax_persistent_cache_min_compile_time_secs),
+      JAX_COMPILATION_CACHE_MAX_SIZE=str(jax.config.jax_compilation_cache_max_size),
+  )
 
 
 def pytest_configure(config):

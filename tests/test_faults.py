@@ -15,7 +15,6 @@ hypothesis, derandomized, so every run of the suite sees the same cases.
 """
 
 import math
-import os
 import subprocess
 import sys
 
@@ -533,10 +532,11 @@ print("finished")
 
 
 @pytest.mark.integration
-def test_training_loop_stops_with_the_remedies_not_a_jax_traceback(tmp_path):
+def test_training_loop_stops_with_the_remedies_not_a_jax_traceback(
+    tmp_path, compilation_cache_env):
   script = tmp_path / "train.py"
   script.write_text(TRAINING_SCRIPT)
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env = {**compilation_cache_env, "JAX_PLATFORMS": "cpu"}
   result = subprocess.run([sys.executable, str(script)], capture_output=True,
                           text=True, timeout=300, env=env, check=False)
   assert result.returncode == 1, result.stderr

@@ -56,7 +56,7 @@ def _collectives_unavailable() -> str | None:
   return None
 
 
-def _start_two_processes(metrics_dir: pathlib.Path) -> subprocess.Popen:
+def _start_two_processes(metrics_dir: pathlib.Path, env) -> subprocess.Popen:
   command = [
       sys.executable, str(EXAMPLE), "--local-processes", "2",
       "--devices-per-process", "2", "--steps", str(STEPS),
@@ -67,7 +67,7 @@ def _start_two_processes(metrics_dir: pathlib.Path) -> subprocess.Popen:
   # it started are all stopped.
   return subprocess.Popen(
       command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-      start_new_session=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+      start_new_session=True, env=dict(env, PYTHONUNBUFFERED="1"),
   )
 
 
@@ -91,14 +91,15 @@ def _same(a, b):
   return a == b or (math.isnan(a) and math.isnan(b))
 
 
-def test_two_processes_match_one_process_reference(tmp_path):
+def test_two_processes_match_one_process_reference(tmp_path, compilation_cache_env):
   reason = _collectives_unavailable()
   if reason:
     pytest.skip(reason)
   if jax.device_count() < 4:
     pytest.skip("the reference needs 4 devices; tests/conftest.py sets up 8")
 
-  launcher = _start_two_processes(tmp_path)
+  # The workers share the tests' compilation cache (process 0 writes to it).
+  launcher = _start_two_processes(tmp_path, compilation_cache_env)
   try:
     # The 1-process x 4-device reference, computed while the processes run.
     example = _load_example()
