@@ -241,24 +241,31 @@ def test_loss_scale_configuration_and_state_survive(tmp_path):
     jaxmp.check_loss_scale(restored.opt_state)
 
 
+@pytest.fixture(scope="module")
+def configured_checkpoint(tmp_path_factory):
+  """A checkpoint of a state under CONFIGURED, saved once: the cases below only read it."""
+  path = tmp_path_factory.mktemp("configured") / "ckpt"
+  jaxmp.flax.save_checkpoint(path, make_state("mixed_float16", CONFIGURED))
+  return path
+
+
 @pytest.mark.parametrize("field, value", [
     ("period", 8), ("factor", 2.0), ("min_loss_scale", 0.25),
     ("backoff_factor", 0.5), ("max_loss_scale", 2.0**21), ("hysteresis", 2),
     ("consecutive_hysteresis", False),
 ])
-def test_any_changed_configuration_field_is_named(tmp_path, field, value):
-  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", make_state("mixed_float16", CONFIGURED))
+def test_any_changed_configuration_field_is_named(configured_checkpoint, field, value):
   kwargs = {name: getattr(CONFIGURED, name) for name in STATIC_FIELDS}
   kwargs[field] = value
   changed = jaxmp.DynamicLossScale(2.0, **kwargs)
   target = make_state("mixed_float16", changed)
   with pytest.raises(ValueError) as error:
-    jaxmp.flax.restore_checkpoint(tmp_path / "ckpt", target)
+    jaxmp.flax.restore_checkpoint(configured_checkpoint, target)
   message = str(error.value)
   assert f"'{field}': {getattr(CONFIGURED, field)!r}" in message
   assert f"'{field}': {value!r}" in message
   assert "check_config=False" in message
-  restored = jaxmp.flax.restore_checkpoint(tmp_path / "ckpt", target, check_config=False)
+  restored = jaxmp.flax.restore_checkpoint(configured_checkpoint, target, check_config=False)
   assert getattr(restored.loss_scale, field) == value  # the target's, as asked
 
 
