@@ -22,7 +22,8 @@ import numpy as np
 from flax import struct
 from flax.core import meta
 
-from jaxmp._src.flax.fp8 import fp8_dot_general_cls, uses_fp8
+from jaxmp._src.flax.fp8 import fp8_dot_general_cls, fp8_einsum_call
+from jaxmp._src.flax.fp8_nnx import attach_fp8_op
 from jaxmp._src.policy import (
   Policy,
   WrappedApply,
@@ -335,23 +336,25 @@ class ModulePolicy(RuleTablePolicy):
       # Linen modules are frozen dataclasses; the bound module is a clone
       # made for this call, and its declared dtype is restored below.
       object.__setattr__(module, "dtype", policy.compute_dtype)
-    # Under an FP8 policy a Dense layer calls Flax's FP8 op (docs/fp8.md).
+    # Under an FP8 policy a Dense layer calls Flax's FP8 op, and an Einsum
+    # computes through Flax's Fp8Einsum (docs/fp8.md).
     fp8_cls = fp8_dot_general_cls(module, policy)
     if fp8_cls is not None:
       object.__setattr__(module, "dot_general_cls", fp8_cls)
+    call = fp8_einsum_call(module, policy, context.method_name) or next_fun
     stack.append(policy)
     try:
       # In model.init nothing is cast: the params are created in their
       # param_dtype as the inputs arrive, and only the variables are kept.
       if (policy is None or context.method_name == "setup"
           or module.is_initializing()):
-        return next_fun(*args, **kwargs)
+        return call(*args, **kwargs)
       args, kwargs = policy.cast_to_compute((args, kwargs))
       if own is not None and self.tag_scopes:
         with jax.named_scope(self._scope_tags()[own]):
-          out = next_fun(*args, **kwargs)
+          out = call(*args, **kwargs)
       else:
-        out = next_fun(*args, **kwargs)
+        out = call(*args, **kwargs)
     finally:
       stack.pop()
       if override:
@@ -450,12 +453,6 @@ class ModulePolicy(RuleTablePolicy):
           "set_nnx_dtypes expects an nnx.Module; for a Linen model use "
           f"wrap_apply(model.apply). Got {type(model).__name__}."
       )
-    if uses_fp8([self.default, *(p for _, p in self.rules)]):
-      raise ValueError(
-          "set_nnx_dtypes: the policy has FP8 matmuls (dot=fp8), which jaxmp "
-          "injects into Linen modules only: Flax has no FP8 op for NNX layers. "
-          "Use a policy without dot=fp8 for NNX models (e.g. "
-          "'mixed_bfloat16'), or a Linen model.")
     modules = sorted(nnx.iter_modules(model), key=lambda item: len(item[0]))
     effective: dict[tuple[Any, ...], Policy | None] = {}
     matched_by: dict[Any, list[tuple[Any, ...]]] = {k: [] for k, _ in self.rules}
@@ -479,6 +476,8 @@ class ModulePolicy(RuleTablePolicy):
       if policy is not None and hasattr(module, "dtype"):
         module.dtype = policy.compute_dtype
         set_paths[path] = str(policy)
+      if policy is not None:  # under an FP8 policy, a matmul layer's FP8 op
+        attach_fp8_op(module, policy, "/".join(str(p) for p in path))
     for key, paths in matched_by.items():
       if not paths:
         names = ", ".join(
