@@ -179,10 +179,12 @@ class ModulePolicy(RuleTablePolicy):
   ``dot_general_cls`` while it runs), whose scales and amax histories live in
   the collection ``"_overwrite_with_gradient"``; wrap ``model.init`` too
   (``policy.wrap_apply(model.init)``, which injects the ops but casts
-  nothing) to create them. Other modules run in the
-  base compute dtype; an ``nn.Einsum`` under an FP8 policy is refused (Flax
-  gives it no hook), and so is a Dense layer with its own ``dot_general``.
-  NNX models get no FP8 (``set_nnx_dtypes`` refuses).
+  nothing) to create them. An ``nn.Einsum`` computes through Flax's
+  ``fp8_ops.Fp8Einsum`` (a child ``Fp8Einsum_0``; its params stay those of
+  the model without FP8). Other modules run in the base compute dtype; a
+  Dense layer with its own ``dot_general``, and a subclass of ``nn.Einsum``
+  with its own ``__call__``, are refused. NNX models get their FP8 ops from
+  :meth:`set_nnx_dtypes`.
 
   **NNX** (:meth:`set_nnx_dtypes`): each module that has a ``dtype`` attribute
   (``nnx.Linear``, ``nnx.Conv``, ``nnx.LayerNorm``, ``nnx.BatchNorm``,
@@ -190,7 +192,9 @@ class ModulePolicy(RuleTablePolicy):
   dtype, whatever ``dtype`` it was built with (``override_dtype`` only
   concerns Linen); NNX layers cast their inputs and parameters to ``dtype``.
   Parameters keep their dtype (the master copy); outputs are not cast, so
-  cast the model's output with ``policy.default.cast_to_output``.
+  cast the model's output with ``policy.default.cast_to_output``. Under an
+  FP8 policy each ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Einsum``
+  also gets an FP8 op whose meta is :class:`jaxmp.flax.Fp8Meta` variables.
 
   Args:
     rules: a mapping (or sequence of pairs) from module classes or
@@ -418,6 +422,16 @@ class ModulePolicy(RuleTablePolicy):
     any other (NNX layers read ``self.dtype`` when they run). Parameters keep
     their dtype (``param_dtype`` is not touched).
 
+    Under an FP8 policy (:class:`jaxmp.Fp8Policy`, ``"mixed_fp8"``), each
+    ``nnx.Linear`` and ``nnx.LinearGeneral`` it covers gets an FP8 op as its
+    ``dot_general``, and each ``nnx.Einsum`` as its ``einsum_op``: an
+    ``nnx.Module`` calling Flax's ``fp8_ops.fp8_scaled_dot_general``, whose
+    scales and amax histories are :class:`jaxmp.flax.Fp8Meta` variables of
+    the model (named and initialised as in Flax's Linen ops). Train it with
+    :func:`jaxmp.flax.nnx_scaled_value_and_grad` inside
+    :func:`jaxmp.flax.nnx_keep_on_skip` (see the FP8 guide). A second call
+    with the same policy keeps the ops and their meta.
+
     Args:
       model: an ``nnx.Module``.
 
@@ -429,7 +443,10 @@ class ModulePolicy(RuleTablePolicy):
       TypeError: if ``model`` is not an ``nnx.Module``.
       ValueError: if a rule matches no module (a typo, most likely), or
         matches only modules without a ``dtype`` attribute anywhere inside
-        them, or if rules overlap without ``first_match``.
+        them, or if rules overlap without ``first_match``; under an FP8
+        policy, for a matmul layer with its own ``dot_general``
+        (``dot_general_cls``, ``einsum_op``), or one that has FP8 ops from an
+        earlier call with another policy.
 
     Example:
       >>> import jaxmp

@@ -45,6 +45,17 @@ def nnx_scaled_value_and_grad(
   a :class:`jaxmp.PrecisionWarning` when the model's 16-bit dtype does not
   take effect (see :func:`jaxmp.precision_report`).
 
+  **FP8.** When the arguments hold FP8 meta (:class:`jaxmp.flax.Fp8Meta`
+  variables, from :meth:`jaxmp.flax.ModulePolicy.set_nnx_dtypes` under
+  ``"mixed_fp8"``), the meta is differentiated too: the "gradient" of a meta
+  variable is its new value, as in Flax's FP8 ops. The returned gradients
+  are still those of the params alone; the new meta is written into the
+  model, as a BatchNorm writes its statistics, its output-gradient part
+  stored in unscaled units (used at ``loss_scale`` for the step). Where the
+  new meta is not finite, the gradients are nan, so that the optimizer skips
+  the step. Call it inside :func:`jaxmp.flax.nnx_keep_on_skip`, which puts
+  the old meta back on a skipped step; outside one it refuses.
+
   **Autocast.** ``autocast="mixed_bfloat16"`` runs ``fun`` under
   :func:`jaxmp.autocast`, as ``TrainState.create(..., autocast=True)`` does
   for Linen: each operation's inputs are cast by its rule (matmuls and
@@ -89,7 +100,9 @@ def nnx_scaled_value_and_grad(
     TypeError: if ``loss_scale`` is not a loss scale, ``recover`` has a
       policy fallback, or ``autocast`` is ``True`` or not a policy.
     ValueError: if ``autocast`` is a string :func:`jaxmp.get_policy` does
-      not accept.
+      not accept; when called with FP8 meta, outside
+      :func:`jaxmp.flax.nnx_keep_on_skip` or with ``recover`` or
+      ``autocast``.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
@@ -363,7 +376,10 @@ def nnx_keep_on_skip(
     optimizer: the ``nnx.Optimizer`` built on :func:`jaxmp.loss_scaling`.
     keep: an NNX filter choosing the variables to keep: a ``Variable`` type
       (default ``nnx.BatchStat``), a tuple of them, or any filter
-      ``nnx.state`` takes (e.g. ``(nnx.BatchStat, EmaParam)``).
+      ``nnx.state`` takes (e.g. ``(nnx.BatchStat, EmaParam)``). The FP8
+      meta (:class:`jaxmp.flax.Fp8Meta`, which
+      :func:`jaxmp.flax.nnx_scaled_value_and_grad` writes) is kept whatever
+      ``keep`` says.
 
   Raises:
     ValueError: on entry, if ``optimizer`` holds no loss-scaling state; on
