@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.linen import fp8_ops
 
 from jaxmp._src.loss_scale import all_finite
@@ -57,9 +58,21 @@ def flax_fp8_meta(amax_history_length: int) -> dict[str, jax.Array]:
   of ones and an ``(amax_history_length,)`` history of zeros for each of the
   input, the kernel and the output gradient.
   """
+  return {name: jnp.asarray(value)
+          for name, value in _flax_fp8_meta_values(amax_history_length)}
+
+
+@functools.lru_cache(maxsize=None)
+def _flax_fp8_meta_values(amax_history_length: int) -> tuple[tuple[str, Any], ...]:
+  """The initial meta of Flax's op as read-only numpy arrays, read once per length."""
   op = fp8_ops.Fp8DotGeneralBase(amax_history_length=amax_history_length)
   variables = op.init(jax.random.key(0), method=lambda op: op.input_scale)
-  return dict(variables[FP8_META])
+  values = []
+  for name, value in variables[FP8_META].items():
+    value = np.array(value)
+    value.setflags(write=False)
+    values.append((name, value))
+  return tuple(values)
 
 
 def fp8_dot_general_cls(module: Any, policy: Any) -> Any:
