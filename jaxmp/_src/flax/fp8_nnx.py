@@ -17,6 +17,7 @@ gradient of a meta variable is its new value;
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any
 
 import jax.numpy as jnp
@@ -43,6 +44,11 @@ class Fp8Meta(nnx.Variable):
   output-gradient scale and history are stored in unscaled units (see the
   FP8 guide).
 
+  Args:
+    value: the array: a ``(1,)`` scale or an ``(amax_history_length,)``
+      amax history (float32).
+    **metadata: NNX variable metadata, passed on to ``nnx.Variable``.
+
   Example:
     >>> import jax, jaxmp, jaxmp.flax
     >>> from flax import nnx
@@ -54,6 +60,14 @@ class Fp8Meta(nnx.Variable):
     >>> len(jax.tree_util.tree_leaves(nnx.state(model, nnx.Param)))  # kernel, bias
     2
   """
+
+  def __init__(self, value: Any, **metadata: Any):
+    super().__init__(value, **metadata)
+
+
+# NNX's metaclass shows inspect a signature of (*args, **kwargs): the real one.
+Fp8Meta.__signature__ = inspect.signature(Fp8Meta.__init__).replace(
+    parameters=tuple(inspect.signature(Fp8Meta.__init__).parameters.values())[1:])
 
 
 class _Fp8Op(nnx.Module):
