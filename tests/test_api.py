@@ -38,7 +38,7 @@ PUBLIC = {
 
 FLAX_PUBLIC = {
     "TrainState", "recovering_train_step", "ModulePolicy", "nnx_scaled_value_and_grad",
-    "nnx_keep_on_skip", "nnx_recovering_step",
+    "nnx_keep_on_skip", "nnx_recovering_step", "Fp8Meta",
     "save_checkpoint", "restore_checkpoint", "loss_scale_config",
     "find_overflowing_modules", "OverflowReport",
 }

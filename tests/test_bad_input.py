@@ -1270,6 +1270,13 @@ def fp8_state(**kwargs):
       tx=optax.sgd(0.1), policy="mixed_fp8", **kwargs)
 
 
+class OwnEinsum(nn.Einsum):
+  """An nn.Einsum that computes something of its own."""
+
+  def __call__(self, inputs, einsum_str=None):
+    return 2 * super().__call__(inputs, einsum_str)
+
+
 def fp8_apply(model):
   policy = jaxmp.flax.ModulePolicy({}, default="mixed_fp8")
   return lambda: policy.wrap_apply(model.init)(jax.random.key(0), jnp.ones((1, 3)))
@@ -1294,15 +1301,10 @@ FP8_CASES = [
          lambda: jaxmp.get_policy("mixed_fp8").wrap_apply(nn.Dense(2).apply), ValueError,
          r"the FP8 matmuls are injected into the Linen Dense .* which a plain policy",
          r"jaxmp\.flax\.ModulePolicy\(\{\}, default=policy\)"),
-    Case("ModulePolicy: an nn.Einsum under an FP8 policy",
-         fp8_apply(nn.Einsum((3, 2), "bi,io->bo")), ValueError,
-         r"is an nn\.Einsum, whose matmul Flax gives no hook",
-         r"ModulePolicy\(\{nn\.Einsum: 'mixed_bfloat16'\}, default='mixed_fp8'\)"),
-    Case("ModulePolicy: FP8 for an NNX model",
-         lambda: jaxmp.flax.ModulePolicy({}, default="mixed_fp8").set_nnx_dtypes(
-             nnx.Linear(2, 2, rngs=nnx.Rngs(0))), ValueError,
-         r"FP8 matmuls \(dot=fp8\), which jaxmp injects into Linen modules only",
-         r"Use a policy without dot=fp8 for NNX models"),
+    Case("ModulePolicy: an nn.Einsum subclass with its own __call__ under an FP8 policy",
+         fp8_apply(OwnEinsum((3, 2), "bi,io->bo")), ValueError,
+         r"subclasses nn\.Einsum with its own __call__, which the FP8 policy cannot follow",
+         r"ModulePolicy\(\{OwnEinsum: 'mixed_bfloat16'\}, default='mixed_fp8'\)"),
     Case("TrainState.create: an FP8 policy without FP8 meta", fp8_state, ValueError,
          r"runs FP8 matmuls, whose scales and amax histories must be given",
          r"fp8_meta=variables\['_overwrite_with_gradient'\]"),
@@ -1325,6 +1327,64 @@ FP8_CASES = [
 ]
 
 CASES += FP8_CASES
+
+
+# -- FP8 training of NNX models ----------------------------------------------------
+
+
+def fp8_nnx_model(policy="mixed_fp8", **kwargs):
+  model = nnx.Linear(2, 2, rngs=nnx.Rngs(0), **kwargs)
+  jaxmp.flax.ModulePolicy({}, default=policy).set_nnx_dtypes(model)
+  return model
+
+
+def fp8_nnx_grads(**kwargs):
+  loss_fn = lambda model: jnp.sum(model(jnp.ones((1, 2))).astype(jnp.float32))
+  return lambda: jaxmp.flax.nnx_scaled_value_and_grad(
+      loss_fn, jaxmp.NoOpLossScale(), **kwargs)(fp8_nnx_model())
+
+
+def fp8_nnx_recovering_step():
+  model = fp8_nnx_model()
+  optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(
+      optax.sgd(0.1), jaxmp.DynamicLossScale()), wrt=nnx.Param)
+  step = jaxmp.flax.nnx_recovering_step(lambda model: jnp.sum(model.kernel[...]))
+  step(model, optimizer)
+
+
+FP8_NNX_CASES = [
+    Case("set_nnx_dtypes: an nnx.Linear with its own dot_general under an FP8 policy",
+         lambda: fp8_nnx_model(dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k)),
+         ValueError, r"the Linear at '\(root\)' has its own dot_general, which the "
+         r"FP8 policy would replace", r"Give it its own rule with a policy without dot=fp8"),
+    Case("set_nnx_dtypes: another amax history for a model that has FP8 ops",
+         lambda: jaxmp.flax.ModulePolicy(
+             {}, default="p=f32,c=bf16,o=f32,dot=fp8,amax_history=16").set_nnx_dtypes(
+                 fp8_nnx_model()), ValueError,
+         r"already has jaxmp's FP8 op from an earlier set_nnx_dtypes, with an amax "
+         r"history of 1024", r"Build the model anew and call set_nnx_dtypes once"),
+    Case("NNX FP8 op: a layer called with out_sharding",
+         lambda: fp8_nnx_model()(jnp.ones((1, 2)), out_sharding=jax.sharding.PartitionSpec()),
+         ValueError, r"fp8_scaled_dot_general takes no out_sharding",
+         r"Call the layer without it"),
+    Case("nnx_scaled_value_and_grad: FP8 meta outside nnx_keep_on_skip", fp8_nnx_grads(),
+         ValueError, r"the model has FP8 meta \(jaxmp\.flax\.Fp8Meta\), whose new "
+         r"values this call writes into the model",
+         r"with jaxmp\.flax\.nnx_keep_on_skip\(model, optimizer\)"),
+    Case("nnx_scaled_value_and_grad: FP8 meta with recover=",
+         fp8_nnx_grads(recover=jaxmp.Recover()), ValueError,
+         r"the model has FP8 meta; recover=\.\.\. is not supported with FP8 meta",
+         r"Leave recover out"),
+    Case("nnx_scaled_value_and_grad: FP8 meta with autocast=",
+         fp8_nnx_grads(autocast="mixed_bfloat16"), ValueError,
+         r"the model has FP8 meta; autocast cannot run FP8 matmuls",
+         r"Leave autocast off"),
+    Case("nnx_recovering_step: a model with FP8 meta", fp8_nnx_recovering_step,
+         ValueError, r"nnx_recovering_step does not support FP8 meta",
+         r"Train the FP8 model with the plain step"),
+]
+
+CASES += FP8_NNX_CASES
 
 
 # -- Recovery: the whole TrainState step in the loop (recovering_train_step) ---------

@@ -8,7 +8,8 @@
   works as it is; :func:`nnx_scaled_value_and_grad` gives the scaled gradients
   and :func:`nnx_keep_on_skip` keeps the BatchNorm statistics on skipped steps;
   :func:`nnx_recovering_step` builds the NNX step that recovers a non-finite
-  batch inside the step.
+  batch inside the step; under an FP8 policy the scales and amax histories
+  of the NNX FP8 ops are :class:`Fp8Meta` variables.
 * :class:`ModulePolicy` runs chosen modules (``nn.LayerNorm``, ``"head"``) under
   their own policy, for Linen and NNX models.
 * :func:`save_checkpoint` / :func:`restore_checkpoint` use orbax and check the
@@ -28,6 +29,7 @@ from jaxmp._src.flax.checkpoint import (
     save_checkpoint,
 )
 from jaxmp._src.flax import fallback as _fallback  # noqa: F401  (registers the Flax targets)
+from jaxmp._src.flax.fp8_nnx import Fp8Meta
 from jaxmp._src.flax.module_policy import ModulePolicy
 from jaxmp._src.flax.nnx import nnx_keep_on_skip, nnx_scaled_value_and_grad
 from jaxmp._src.flax.nnx_recovering_step import nnx_recovering_step
@@ -42,6 +44,7 @@ __all__ = [
     "nnx_scaled_value_and_grad",
     "nnx_keep_on_skip",
     "nnx_recovering_step",
+    "Fp8Meta",
     "save_checkpoint",
     "restore_checkpoint",
     "loss_scale_config",

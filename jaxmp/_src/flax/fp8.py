@@ -3,17 +3,23 @@
 An :class:`jaxmp.Fp8Policy` makes the ``nn.Dense`` and ``nn.DenseGeneral``
 modules that run under it call Flax's ``fp8_ops.Fp8DirectDotGeneralOp``
 (injected as their ``dot_general_cls`` by the :class:`jaxmp.flax.ModulePolicy`
-interceptor). Flax keeps each op's scales and amax histories, the *FP8 meta*,
-in the collection ``"_overwrite_with_gradient"``: the "gradient" of a meta
-leaf is its new value. This module holds what jaxmp adds around Flax's ops:
+interceptor), and the ``nn.Einsum`` modules compute through Flax's
+``fp8_ops.Fp8Einsum`` (:func:`fp8_einsum_call`). Flax keeps each op's scales
+and amax histories, the *FP8 meta*, in the collection
+``"_overwrite_with_gradient"``: the "gradient" of a meta leaf is its new
+value. This module holds what jaxmp adds around Flax's ops, for Linen and
+(through ``_src/flax/fp8_nnx.py``) NNX alike:
 
-* :func:`fp8_dot_general_cls`: which op a module gets (and the refusal of the
-  modules it cannot reach);
+* :func:`fp8_dot_general_cls` and :func:`fp8_einsum_call`: which op a module
+  gets (and the refusal of the modules it cannot reach);
+* :func:`flax_fp8_meta`: the meta of one op as Flax lays it out;
 * :func:`in_step_units`: the FP8 meta of the output gradients is kept in
   *unscaled* units; for one step it is multiplied by the loss scale (the
   gradients the op sees are scaled), and its new value divided by it;
-* :func:`split_fp8_grads` and :func:`meta_is_finite`, which
-  :meth:`jaxmp.flax.TrainState.apply_gradients` uses to guard the meta.
+* :func:`split_fp8_grads`, :func:`meta_is_finite` and
+  :func:`skip_unless_meta_finite`, which
+  :meth:`jaxmp.flax.TrainState.apply_gradients` and
+  :func:`jaxmp.flax.nnx_scaled_value_and_grad` use to guard the meta.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.linen import fp8_ops
 
 from jaxmp._src.loss_scale import all_finite
@@ -42,31 +49,48 @@ def uses_fp8(policies: Any) -> bool:
   return any(isinstance(p, Fp8Policy) for p in policies)
 
 
+def flax_fp8_meta(amax_history_length: int) -> dict[str, jax.Array]:
+  """The FP8 meta of one op, ``{name: array}``, as Flax's ops create it.
+
+  Read from Flax's own ``fp8_ops.Fp8DotGeneralBase`` (the base of
+  ``Fp8DirectDotGeneralOp`` and ``Fp8Einsum``), so that the NNX ops keep the
+  same names, shapes and initial values as the Linen ones: a ``(1,)`` scale
+  of ones and an ``(amax_history_length,)`` history of zeros for each of the
+  input, the kernel and the output gradient.
+  """
+  return {name: jnp.asarray(value)
+          for name, value in _flax_fp8_meta_values(amax_history_length)}
+
+
+@functools.lru_cache(maxsize=None)
+def _flax_fp8_meta_values(amax_history_length: int) -> tuple[tuple[str, Any], ...]:
+  """The initial meta of Flax's op as read-only numpy arrays, read once per length."""
+  op = fp8_ops.Fp8DotGeneralBase(amax_history_length=amax_history_length)
+  variables = op.init(jax.random.key(0), method=lambda op: op.input_scale)
+  values = []
+  for name, value in variables[FP8_META].items():
+    value = np.array(value)
+    value.setflags(write=False)
+    values.append((name, value))
+  return tuple(values)
+
+
 def fp8_dot_general_cls(module: Any, policy: Any) -> Any:
   """The ``dot_general_cls`` to give ``module`` while it runs under ``policy``.
 
   ``None`` when nothing is injected: the policy is not an
   :class:`jaxmp.Fp8Policy`, or the module is not a Dense layer (activations,
   norms, convolutions and the FP8 ops themselves run in the base compute
-  dtype).
+  dtype; an ``nn.Einsum`` gets :func:`fp8_einsum_call` instead).
 
   Raises:
-    ValueError: for an ``nn.Einsum`` under an FP8 policy (Flax's ``nn.Einsum``
-      takes no ``dot_general_cls``), or a Dense layer that has its own
+    ValueError: for a Dense layer that has its own
       ``dot_general``/``dot_general_cls``.
   """
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
   if not isinstance(policy, Fp8Policy):
     return None
-  if isinstance(module, nn.Einsum):
-    raise ValueError(
-        f"{policy}: the module {type(module).__name__} {module.name!r} is an "
-        "nn.Einsum, whose matmul Flax gives no hook (no dot_general_cls), so "
-        "it cannot run in FP8 without editing the model. Give it its own "
-        "rule, e.g. jaxmp.flax.ModulePolicy({nn.Einsum: 'mixed_bfloat16'}, "
-        "default='mixed_fp8'), or build it with Flax's fp8_ops.Fp8Einsum in "
-        "the model.")
   if not isinstance(module, (nn.Dense, nn.DenseGeneral)):
     return None
   if module.dot_general_cls is not None or module.dot_general is not None:
@@ -79,6 +103,67 @@ def fp8_dot_general_cls(module: Any, policy: Any) -> Any:
   return functools.partial(
       fp8_ops.Fp8DirectDotGeneralOp,
       amax_history_length=policy.amax_history_length)
+
+
+def fp8_einsum_call(module: Any, policy: Any, method_name: str) -> Any:
+  """What computes ``module``'s call under ``policy``, or ``None`` to leave it.
+
+  Flax's ``nn.Einsum`` calls ``jnp.einsum`` itself and takes no
+  ``dot_general_cls``. Under an :class:`jaxmp.Fp8Policy` the interceptor
+  therefore runs this instead of ``nn.Einsum.__call__``: the same steps with
+  the module's own fields (the ``kernel`` and ``bias`` params with their
+  names, initializers, shapes and dtypes, Flax's bias shape, the module's
+  ``promote_dtype``), with the einsum computed by a Flax
+  ``fp8_ops.Fp8Einsum`` child (``Fp8Einsum_0``, whose meta lands in
+  ``"_overwrite_with_gradient"``). So the params are those of the model
+  without FP8, and only the matmul differs. It runs inside the module's
+  compact call, where the interceptor is called, so the child is bound as
+  the module's own.
+
+  Raises:
+    ValueError: for a subclass of ``nn.Einsum`` with its own ``__call__``
+      (what it computes is not known).
+  """
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  if not (isinstance(policy, Fp8Policy) and isinstance(module, nn.Einsum)
+          and method_name == "__call__"):
+    return None
+  if type(module).__call__ is not nn.Einsum.__call__:
+    raise ValueError(
+        f"{policy}: the module {type(module).__name__} {module.name!r} "
+        "subclasses nn.Einsum with its own __call__, which the FP8 policy "
+        "cannot follow (it runs nn.Einsum's computation with Flax's "
+        "Fp8Einsum). Give it its own rule with a policy without dot=fp8, "
+        f"e.g. jaxmp.flax.ModulePolicy({{{type(module).__name__}: "
+        "'mixed_bfloat16'}, default='mixed_fp8').")
+
+  def call(inputs, einsum_str=None):
+    # nn.Einsum.__call__ (Flax 0.12), with fp8_ops.Fp8Einsum for jnp.einsum.
+    einsum_str = nn.merge_param("einsum_str", module.einsum_str, einsum_str)
+    einsum_str = einsum_str.replace(" ", "")
+    if "->" not in einsum_str or einsum_str.count(",") != 1:
+      raise ValueError(
+          f"nn.Einsum {module.name!r}: the equation {einsum_str!r} must be "
+          "explicit (with '->') and have exactly two operands, the input and "
+          "the kernel, e.g. 'bi,io->bo'.")
+    kernel = module.param("kernel", module.kernel_init, module.shape,
+                          module.param_dtype)
+    bias = None
+    if module.use_bias:
+      bias_shape, broadcast_shape = module._get_bias_shape(  # pylint: disable=protected-access
+          einsum_str, inputs, kernel)
+      bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
+    inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias,
+                                                dtype=module.dtype)
+    op = fp8_ops.Fp8Einsum(amax_history_length=policy.amax_history_length)
+    y = op(einsum_str, inputs, kernel, precision=module.precision,
+           preferred_element_type=module.preferred_element_type)
+    if bias is not None:
+      y += jnp.reshape(bias, broadcast_shape)
+    return y
+
+  return call
 
 
 def _is_output_grad_leaf(path: tuple[Any, ...]) -> bool:
@@ -153,3 +238,15 @@ def meta_is_finite(fp8_meta: Any) -> jax.Array:
   guard therefore looks at the new meta too.
   """
   return all_finite(fp8_meta)
+
+
+def skip_unless_meta_finite(grads: Any, new_meta: Any) -> Any:
+  """``grads``, made nan where the new FP8 meta is not finite.
+
+  The loss-scaling optimizer then treats the step as non-finite (it skips
+  the update and backs the loss scale off), and the meta is kept with the
+  rest. A ``jnp.where`` on one flag: no host synchronisation.
+  """
+  finite = meta_is_finite(new_meta)
+  return jax.tree_util.tree_map(
+      lambda g: jnp.where(finite, g, jnp.asarray(jnp.nan, g.dtype)), grads)

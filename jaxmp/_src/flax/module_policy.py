@@ -22,7 +22,8 @@ import numpy as np
 from flax import struct
 from flax.core import meta
 
-from jaxmp._src.flax.fp8 import fp8_dot_general_cls, uses_fp8
+from jaxmp._src.flax.fp8 import fp8_dot_general_cls, fp8_einsum_call
+from jaxmp._src.flax.fp8_nnx import attach_fp8_op
 from jaxmp._src.policy import (
   Policy,
   WrappedApply,
@@ -178,10 +179,12 @@ class ModulePolicy(RuleTablePolicy):
   ``dot_general_cls`` while it runs), whose scales and amax histories live in
   the collection ``"_overwrite_with_gradient"``; wrap ``model.init`` too
   (``policy.wrap_apply(model.init)``, which injects the ops but casts
-  nothing) to create them. Other modules run in the
-  base compute dtype; an ``nn.Einsum`` under an FP8 policy is refused (Flax
-  gives it no hook), and so is a Dense layer with its own ``dot_general``.
-  NNX models get no FP8 (``set_nnx_dtypes`` refuses).
+  nothing) to create them. An ``nn.Einsum`` computes through Flax's
+  ``fp8_ops.Fp8Einsum`` (a child ``Fp8Einsum_0``; its params stay those of
+  the model without FP8). Other modules run in the base compute dtype; a
+  Dense layer with its own ``dot_general``, and a subclass of ``nn.Einsum``
+  with its own ``__call__``, are refused. NNX models get their FP8 ops from
+  :meth:`set_nnx_dtypes`.
 
   **NNX** (:meth:`set_nnx_dtypes`): each module that has a ``dtype`` attribute
   (``nnx.Linear``, ``nnx.Conv``, ``nnx.LayerNorm``, ``nnx.BatchNorm``,
@@ -189,7 +192,9 @@ class ModulePolicy(RuleTablePolicy):
   dtype, whatever ``dtype`` it was built with (``override_dtype`` only
   concerns Linen); NNX layers cast their inputs and parameters to ``dtype``.
   Parameters keep their dtype (the master copy); outputs are not cast, so
-  cast the model's output with ``policy.default.cast_to_output``.
+  cast the model's output with ``policy.default.cast_to_output``. Under an
+  FP8 policy each ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Einsum``
+  also gets an FP8 op whose meta is :class:`jaxmp.flax.Fp8Meta` variables.
 
   Args:
     rules: a mapping (or sequence of pairs) from module classes or
@@ -335,23 +340,25 @@ class ModulePolicy(RuleTablePolicy):
       # Linen modules are frozen dataclasses; the bound module is a clone
       # made for this call, and its declared dtype is restored below.
       object.__setattr__(module, "dtype", policy.compute_dtype)
-    # Under an FP8 policy a Dense layer calls Flax's FP8 op (docs/fp8.md).
+    # Under an FP8 policy a Dense layer calls Flax's FP8 op, and an Einsum
+    # computes through Flax's Fp8Einsum (docs/fp8.md).
     fp8_cls = fp8_dot_general_cls(module, policy)
     if fp8_cls is not None:
       object.__setattr__(module, "dot_general_cls", fp8_cls)
+    call = fp8_einsum_call(module, policy, context.method_name) or next_fun
     stack.append(policy)
     try:
       # In model.init nothing is cast: the params are created in their
       # param_dtype as the inputs arrive, and only the variables are kept.
       if (policy is None or context.method_name == "setup"
           or module.is_initializing()):
-        return next_fun(*args, **kwargs)
+        return call(*args, **kwargs)
       args, kwargs = policy.cast_to_compute((args, kwargs))
       if own is not None and self.tag_scopes:
         with jax.named_scope(self._scope_tags()[own]):
-          out = next_fun(*args, **kwargs)
+          out = call(*args, **kwargs)
       else:
-        out = next_fun(*args, **kwargs)
+        out = call(*args, **kwargs)
     finally:
       stack.pop()
       if override:
@@ -415,6 +422,16 @@ class ModulePolicy(RuleTablePolicy):
     any other (NNX layers read ``self.dtype`` when they run). Parameters keep
     their dtype (``param_dtype`` is not touched).
 
+    Under an FP8 policy (:class:`jaxmp.Fp8Policy`, ``"mixed_fp8"``), each
+    ``nnx.Linear`` and ``nnx.LinearGeneral`` it covers gets an FP8 op as its
+    ``dot_general``, and each ``nnx.Einsum`` as its ``einsum_op``: an
+    ``nnx.Module`` calling Flax's ``fp8_ops.fp8_scaled_dot_general``, whose
+    scales and amax histories are :class:`jaxmp.flax.Fp8Meta` variables of
+    the model (named and initialised as in Flax's Linen ops). Train it with
+    :func:`jaxmp.flax.nnx_scaled_value_and_grad` inside
+    :func:`jaxmp.flax.nnx_keep_on_skip` (see the FP8 guide). A second call
+    with the same policy keeps the ops and their meta.
+
     Args:
       model: an ``nnx.Module``.
 
@@ -426,7 +443,10 @@ class ModulePolicy(RuleTablePolicy):
       TypeError: if ``model`` is not an ``nnx.Module``.
       ValueError: if a rule matches no module (a typo, most likely), or
         matches only modules without a ``dtype`` attribute anywhere inside
-        them, or if rules overlap without ``first_match``.
+        them, or if rules overlap without ``first_match``; under an FP8
+        policy, for a matmul layer with its own ``dot_general``
+        (``dot_general_cls``, ``einsum_op``), or one that has FP8 ops from an
+        earlier call with another policy.
 
     Example:
       >>> import jaxmp
@@ -450,12 +470,6 @@ class ModulePolicy(RuleTablePolicy):
           "set_nnx_dtypes expects an nnx.Module; for a Linen model use "
           f"wrap_apply(model.apply). Got {type(model).__name__}."
       )
-    if uses_fp8([self.default, *(p for _, p in self.rules)]):
-      raise ValueError(
-          "set_nnx_dtypes: the policy has FP8 matmuls (dot=fp8), which jaxmp "
-          "injects into Linen modules only: Flax has no FP8 op for NNX layers. "
-          "Use a policy without dot=fp8 for NNX models (e.g. "
-          "'mixed_bfloat16'), or a Linen model.")
     modules = sorted(nnx.iter_modules(model), key=lambda item: len(item[0]))
     effective: dict[tuple[Any, ...], Policy | None] = {}
     matched_by: dict[Any, list[tuple[Any, ...]]] = {k: [] for k, _ in self.rules}
@@ -479,6 +493,8 @@ class ModulePolicy(RuleTablePolicy):
       if policy is not None and hasattr(module, "dtype"):
         module.dtype = policy.compute_dtype
         set_paths[path] = str(policy)
+      if policy is not None:  # under an FP8 policy, a matmul layer's FP8 op
+        attach_fp8_op(module, policy, "/".join(str(p) for p in path))
     for key, paths in matched_by.items():
       if not paths:
         names = ", ".join(

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from typing import Any, Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from jaxmp._src.autocast import autocast_returning_state
+from jaxmp._src.flax.fp8 import in_step_units, skip_unless_meta_finite
+from jaxmp._src.flax.fp8_nnx import Fp8Meta
 from jaxmp._src.loss_scale import LossScale, NoOpLossScale
 from jaxmp._src.loss_scaling import _find_state
 from jaxmp._src.policy import Policy, get_policy
@@ -41,6 +44,17 @@ def nnx_scaled_value_and_grad(
   also traces ``fun`` on a copy of the model, running nothing, and warns with
   a :class:`jaxmp.PrecisionWarning` when the model's 16-bit dtype does not
   take effect (see :func:`jaxmp.precision_report`).
+
+  **FP8.** When the arguments hold FP8 meta (:class:`jaxmp.flax.Fp8Meta`
+  variables, from :meth:`jaxmp.flax.ModulePolicy.set_nnx_dtypes` under
+  ``"mixed_fp8"``), the meta is differentiated too: the "gradient" of a meta
+  variable is its new value, as in Flax's FP8 ops. The returned gradients
+  are still those of the params alone; the new meta is written into the
+  model, as a BatchNorm writes its statistics, its output-gradient part
+  stored in unscaled units (used at ``loss_scale`` for the step). Where the
+  new meta is not finite, the gradients are nan, so that the optimizer skips
+  the step. Call it inside :func:`jaxmp.flax.nnx_keep_on_skip`, which puts
+  the old meta back on a skipped step; outside one it refuses.
 
   **Autocast.** ``autocast="mixed_bfloat16"`` runs ``fun`` under
   :func:`jaxmp.autocast`, as ``TrainState.create(..., autocast=True)`` does
@@ -86,7 +100,9 @@ def nnx_scaled_value_and_grad(
     TypeError: if ``loss_scale`` is not a loss scale, ``recover`` has a
       policy fallback, or ``autocast`` is ``True`` or not a policy.
     ValueError: if ``autocast`` is a string :func:`jaxmp.get_policy` does
-      not accept.
+      not accept; when called with FP8 meta, outside
+      :func:`jaxmp.flax.nnx_keep_on_skip` or with ``recover`` or
+      ``autocast``.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
@@ -110,16 +126,18 @@ def nnx_scaled_value_and_grad(
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   autocast_policy = _autocast_policy(autocast)
+  model_fun = fun
   if autocast_policy is not None:
     fun = _under_autocast(fun, autocast_policy)
   if recover is None:
     grad_fn = scale_then_differentiate(
         nnx.value_and_grad, fun, loss_scale, argnums=argnums, has_aux=has_aux,
-        caller="nnx_scaled_value_and_grad",
-        state_hint="With an nnx.Optimizer, pass "
-        "jaxmp.get_loss_scale(optimizer.opt_state).")
+        caller=_CALLER, state_hint=_STATE_HINT)
   else:
     grad_fn = _recovering(fun, loss_scale, argnums, has_aux, recover)
+  # A model with FP8 ops (set_nnx_dtypes under "mixed_fp8") takes another way.
+  grad_fn = _with_fp8_meta(grad_fn, model_fun, loss_scale, argnums, has_aux,
+                           refused=_fp8_refusal(recover, autocast_policy))
 
   def on_a_copy(args, kwargs):  # the audit traces a copy: the model is untouched
     graphdef, state = nnx.split((args, kwargs))
@@ -130,7 +148,103 @@ def nnx_scaled_value_and_grad(
   return warn_on_first_trace(
       grad_fn, fun,
       compute_dtype=None if autocast_policy is None else autocast_policy.compute_dtype,
-      caller="nnx_scaled_value_and_grad", prepare=on_a_copy)
+      caller=_CALLER, prepare=on_a_copy)
+
+
+_CALLER = "nnx_scaled_value_and_grad"
+_STATE_HINT = "With an nnx.Optimizer, pass jaxmp.get_loss_scale(optimizer.opt_state)."
+
+# The FP8 meta variables that the nnx_keep_on_skip blocks now open keep.
+_KEEPING = threading.local()
+
+
+def _kept_meta() -> list[Any]:
+  if not hasattr(_KEEPING, "stack"):
+    _KEEPING.stack = []
+  return _KEEPING.stack
+
+
+def _fp8_refusal(recover: Any, autocast_policy: Any) -> str | None:
+  """Why a model with FP8 meta cannot take these options, or None."""
+  if recover is not None:
+    return ("recover=... is not supported with FP8 meta: a retry at a "
+            "backed-off scale would need the meta in that scale's units. Leave "
+            "recover out; a skipped step keeps the meta (in nnx_keep_on_skip).")
+  if autocast_policy is not None:
+    return ("autocast cannot run FP8 matmuls: it casts each operation, and "
+            "the FP8 ops keep per-tensor scales. Leave autocast off; "
+            "set_nnx_dtypes has set the layers' dtypes already.")
+  return None
+
+
+def _with_fp8_meta(grad_fn, fun, loss_scale, argnums, has_aux, refused):
+  """``grad_fn``, or for arguments holding FP8 meta, the FP8 value-and-grad.
+
+  The FP8 meta of the arguments (:class:`jaxmp.flax.Fp8Meta` variables) is
+  differentiated too, as an extra leading argument: inside, it is put into
+  the model in the step's units (:func:`in_step_units`), and its cotangents
+  are its new values, back in unscaled units. The param gradients are made
+  nan where the new meta is not finite (the optimizer then skips the step),
+  and the new meta is written into the model, where ``nnx_keep_on_skip``
+  (which must be open around the step) keeps the old one on a skipped step.
+  """
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  if isinstance(argnums, int) or isinstance(argnums, nnx.DiffState):
+    with_meta, single = (0, _shifted(argnums)), True
+  else:
+    with_meta, single = (0, *(_shifted(a) for a in argnums)), False
+
+  def fun_with_meta(stored_meta, *args, **kwargs):
+    nnx.update((args, kwargs), in_step_units(stored_meta, loss_scale.loss_scale))
+    return fun(*args, **kwargs)
+
+  meta_grad_fn = scale_then_differentiate(
+      nnx.value_and_grad, fun_with_meta, loss_scale, argnums=with_meta,
+      has_aux=has_aux, caller=_CALLER, state_hint=_STATE_HINT)
+
+  def value_and_grad_fn(*args, **kwargs):
+    meta = nnx.state((args, kwargs), Fp8Meta)
+    if not meta:
+      return grad_fn(*args, **kwargs)
+    if refused is not None:
+      raise ValueError(f"{_CALLER}: the model has FP8 meta; {refused}")
+    _check_kept(meta)
+    out, (new_meta, *grads) = meta_grad_fn(nnx.as_pure(meta), *args, **kwargs)
+    grads = skip_unless_meta_finite(grads[0] if single else tuple(grads), new_meta)
+    nnx.update((args, kwargs), new_meta)
+    return out, grads
+
+  return value_and_grad_fn
+
+
+def _shifted(argnum: Any) -> Any:
+  """``argnum`` (an int or an ``nnx.DiffState``) one position later."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  if isinstance(argnum, nnx.DiffState):
+    return nnx.DiffState(argnum.argnum + 1, argnum.filter)
+  return argnum + 1 if argnum >= 0 else argnum
+
+
+def _check_kept(meta: Any) -> None:
+  """Refuses FP8 meta that no open ``nnx_keep_on_skip`` block keeps."""
+  kept = {id(v) for block in _kept_meta() for v in block}
+  if not all(id(v) in kept for v in _variables(meta)):
+    raise ValueError(
+        f"{_CALLER}: the model has FP8 meta (jaxmp.flax.Fp8Meta), whose new "
+        "values this call writes into the model; a skipped step must put the "
+        "old ones back, which nnx_keep_on_skip does. Call it inside the block "
+        "around the step: with jaxmp.flax.nnx_keep_on_skip(model, optimizer): "
+        "loss, grads = jaxmp.flax.nnx_scaled_value_and_grad(...)(model); "
+        "optimizer.update(model, grads).")
+
+
+def _variables(state: Any) -> list[Any]:
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  return jax.tree_util.tree_leaves(
+      state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def _autocast_policy(autocast: Any) -> Policy | None:
@@ -262,7 +376,10 @@ def nnx_keep_on_skip(
     optimizer: the ``nnx.Optimizer`` built on :func:`jaxmp.loss_scaling`.
     keep: an NNX filter choosing the variables to keep: a ``Variable`` type
       (default ``nnx.BatchStat``), a tuple of them, or any filter
-      ``nnx.state`` takes (e.g. ``(nnx.BatchStat, EmaParam)``).
+      ``nnx.state`` takes (e.g. ``(nnx.BatchStat, EmaParam)``). The FP8
+      meta (:class:`jaxmp.flax.Fp8Meta`, which
+      :func:`jaxmp.flax.nnx_scaled_value_and_grad` writes) is kept whatever
+      ``keep`` says.
 
   Raises:
     ValueError: on entry, if ``optimizer`` holds no loss-scaling state; on
@@ -291,12 +408,18 @@ def nnx_keep_on_skip(
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  keep = nnx.BatchStat if keep is None else keep
+  keep = nnx.Any(nnx.BatchStat if keep is None else keep, Fp8Meta)
   flag_before = _last_finite(optimizer)
   # New Variables around the current values: the model's own Variables are
   # updated in place by the forward pass.
   before = jax.tree_util.tree_map(lambda x: x, nnx.state(model, keep))
-  yield
+  # nnx_scaled_value_and_grad writes the FP8 meta only inside such a block.
+  stack = _kept_meta()
+  stack.append(_variables(nnx.state(model, Fp8Meta)))
+  try:
+    yield
+  finally:
+    stack.pop()
   flag = _last_finite(optimizer)
   if flag is flag_before:
     raise ValueError(

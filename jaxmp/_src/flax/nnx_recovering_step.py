@@ -17,6 +17,7 @@ from typing import Any, Callable
 import jax
 import optax
 
+from jaxmp._src.flax.fp8_nnx import has_fp8_meta
 from jaxmp._src.flax.nnx import check_function_fallback, nnx_scaled_value_and_grad
 from jaxmp._src.loss_scale import NoOpLossScale
 from jaxmp._src.recovering_step import (
@@ -98,7 +99,8 @@ def nnx_recovering_step(
       is not an ``nnx.Optimizer`` or an argument after it is an NNX object.
     ValueError: if ``recover`` has an ``axis_name``; when called, if the
       optimizer holds no loss-scaling state (or more than one), or holds it
-      inside :func:`jaxmp.multi_steps`.
+      inside :func:`jaxmp.multi_steps`, or if the model has FP8 meta
+      (:class:`jaxmp.flax.Fp8Meta`).
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
@@ -132,6 +134,13 @@ def nnx_recovering_step(
           "second. Build the optimizer with nnx.Optimizer(model, "
           "jaxmp.loss_scaling(tx, loss_scale), wrt=nnx.Param).")
     _refuse_nnx_objects(args, kwargs)
+    if has_fp8_meta(model):
+      raise ValueError(
+          f"{_CALLER} does not support FP8 meta (jaxmp.flax.Fp8Meta): a retry "
+          "at a backed-off scale would need the meta in that scale's units. "
+          "Train the FP8 model with the plain step (nnx_keep_on_skip around "
+          "nnx_scaled_value_and_grad and optimizer.update), which skips a "
+          "non-finite step and keeps the meta.")
     wrt = optimizer.wrt
     graphdef, params, rest = nnx.split(model, wrt, ...)
     state = (nnx.as_pure(params), nnx.as_pure(rest),

@@ -17,7 +17,7 @@ from jaxmp._src.default_loss_scale import as_policy, default_loss_scale
 from jaxmp._src.flax.fp8 import (
   FP8_META,
   in_step_units,
-  meta_is_finite,
+  skip_unless_meta_finite,
   split_fp8_grads,
   uses_fp8,
 )
@@ -291,9 +291,7 @@ class TrainState(train_state.TrainState):
       # Flax's ops saturate an inf output gradient to the FP8 maximum, so the
       # weight gradients may look finite while the new amax is not: a
       # non-finite new meta makes the step non-finite too.
-      meta_finite = meta_is_finite(new_meta)
-      grads = jax.tree_util.tree_map(
-          lambda g: jnp.where(meta_finite, g, jnp.asarray(jnp.nan, g.dtype)), grads)
+      grads = skip_unless_meta_finite(grads, new_meta)
       kwargs = {**kwargs, "fp8_meta": new_meta}
     if recovery is None:
       new_state = super().apply_gradients(grads=grads)
