@@ -3,11 +3,12 @@
 The compiler's figures of one train step, unguarded, with jaxmp and with a
 peer, in several settings:
 
-* ``leaves``: a model of 10 or 100 float32 leaves of distinct shapes, or
-  1000 leaves of one shape (4M parameters in all), whose loss is
-  elementwise, so that the optimizer and the guard are most of the step
-  (unguarded and jaxmp only; 1000 distinct shapes are left out: one
-  unguarded compilation of them took more than ten minutes here);
+* ``leaves``: a model of 10 or 100 float32 leaves of distinct shapes
+  (``--shapes`` picks other counts), or 1000 leaves of one shape (4M
+  parameters in all), whose loss is elementwise, so that the optimizer and
+  the guard are most of the step (unguarded and jaxmp only; 1000 distinct
+  shapes are not in the default run: one unguarded compilation of them takes
+  more than ten minutes on a 2-core machine);
 * ``params``: the transformer of ``examples/train_lm.py`` at 0.5M, 4M and
   30M parameters (bfloat16 compute, batch 8x128);
 * ``clip``: the 4M transformer with clipping to a global norm of 1
@@ -18,10 +19,18 @@ peer, in several settings:
   ``optax.MultiSteps(..., should_skip_update_fn=optax.skip_not_finite)``;
 * ``train_state``: the 4M transformer through ``flax.training.TrainState``
   and ``jaxmp.flax.TrainState`` under ``mixed_bfloat16`` (with the check and
-  with ``guard=False``).
+  with ``guard=False``);
+* ``zero``: the 4M transformer ZeRO-style inside ``jax.shard_map`` over 8
+  (simulated) devices: the params, the gradients and Adam's moments sharded,
+  the params gathered for the forward pass (unguarded, jaxmp, and jaxmp with
+  the plain select, ``JAXMP_INPLACE_SELECT=0``). This process asks XLA for 8
+  host devices (``--xla_force_host_platform_device_count=8``, unless
+  ``XLA_FLAGS`` already sets a count); the other settings run on one.
 
 For each it reports bytes accessed, temp memory (``cost_analysis()`` and
-``memory_analysis()`` of the compiled step, donated state), the kernel count
+``memory_analysis()`` of the compiled step, donated state; per device inside
+``shard_map``), the non-scalar ``copy`` instructions of the optimized HLO's
+entry computation, the kernel count
 (from XLA's dump, as ``overhead.py`` counts it), the extra bytes accessed per
 parameter over the unguarded step, and the compile time: the median CPU
 seconds of this process to trace, lower and compile a fresh ``jax.jit`` of
@@ -34,13 +43,16 @@ Usage::
 
   python benchmarks/scaling.py                     # writes benchmarks/results/scaling.{md,json}
   python benchmarks/scaling.py --settings accumulation clip --repeats 1
+  python benchmarks/scaling.py --settings leaves --shapes 300 --out /tmp/scaling
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import pathlib
+import re
 import statistics
 import sys
 import warnings
@@ -50,6 +62,13 @@ from typing import Any, NamedTuple
 # The jaxmp of this checkout, not whichever one is installed.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+# The zero setting shards over 8 host devices; XLA reads the count once,
+# before JAX starts. One-device programs compile the same either way.
+DEVICES = 8
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={DEVICES}").strip()
+
 import flax.training.train_state  # pylint: disable=wrong-import-position
 import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp
@@ -57,13 +76,15 @@ import jmp
 import numpy as np
 import optax
 from flax.training.dynamic_scale import DynamicScale
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxmp
 import jaxmp.flax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import overhead  # pylint: disable=wrong-import-position
-from overhead import INITIAL_SCALE, PERIOD, Variant  # pylint: disable=wrong-import-position
+from overhead import INITIAL_SCALE, PERIOD, SELECT_SWITCH, Variant  # pylint: disable=wrong-import-position
 
 train_lm = overhead.train_lm
 LEARNING_RATE = 1e-3
@@ -73,6 +94,7 @@ LEAF_PARAMS = 4_000_000
 # The transformer of train_lm at three sizes: d_model, layers, heads.
 TRANSFORMERS = {"0.5M": (128, 2, 4), "4M": (256, 5, 4), "30M": (512, 10, 8)}
 PEERS = ("unguarded", "jaxmp", "optax.apply_if_finite")
+DISTINCT_SHAPES = (10, 100)
 
 
 class Problem(NamedTuple):
@@ -256,6 +278,99 @@ def train_state_variants(model) -> list[Variant]:
   ]
 
 
+def _shard_axis(shape: tuple[int, ...], devices: int) -> int | None:
+  """The first axis of ``shape`` that ``devices`` divide, or None."""
+  return next((axis for axis, size in enumerate(shape) if size % devices == 0), None)
+
+
+def zero_spec(x, devices: int = DEVICES) -> P:
+  """ZeRO-style: a leaf sharded over ``"d"`` on its first divisible axis.
+
+  Scalars (Adam's count, the loss scale) and leaves no axis of which the
+  devices divide are replicated.
+  """
+  axis = _shard_axis(jnp.shape(x), devices)
+  return P() if axis is None else P(*([None] * axis), "d")
+
+
+def zero_variants(loss_fn, devices: int = DEVICES) -> list[Variant]:
+  """The step inside ``jax.shard_map``, ZeRO-style, over ``devices`` devices.
+
+  Every device holds a shard of the params and of the optimizer state
+  (:func:`zero_spec`) and one shard of the batch; the params are gathered
+  (``all_gather``) for the forward pass, so the gradients arrive sharded
+  (its transpose sums and scatters them) and every device updates its own
+  shards. ``unguarded`` is adamw; ``jaxmp`` is ``loss_scaling(adamw,
+  DynamicLossScale(), axis_name="d")``, whose devices agree on skipping;
+  ``jaxmp plain select`` the same traced with ``JAXMP_INPLACE_SELECT=0``.
+  """
+  if len(jax.devices()) < devices:
+    raise RuntimeError(
+        f"The zero setting needs {devices} devices, found {len(jax.devices())}. "
+        f"Start it with XLA_FLAGS=--xla_force_host_platform_device_count={devices}.")
+  mesh = jax.make_mesh((devices,), ("d",), devices=jax.devices()[:devices],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+  def local_loss(params, batch, specs):
+    """The loss of this device's batch shard, with the params gathered
+    along the axes ``specs`` (their global shapes' specs) shard them on."""
+    def gather(x, spec):
+      return jax.lax.all_gather(x, "d", axis=len(spec) - 1, tiled=True) if spec else x
+    full = jax.tree_util.tree_map(gather, params, specs)
+    # The mean over the whole batch: each device's share of it.
+    return loss_fn(full, batch) / devices
+
+  def shard_mapped(body):
+    def step(state, batch):
+      specs = jax.tree_util.tree_map(lambda x: zero_spec(x, devices), state)
+      return jax.shard_map(functools.partial(body, param_specs=specs[0]), mesh=mesh,
+                           in_specs=(specs, P("d")), out_specs=(specs, P()))(state, batch)
+    return step
+
+  def place(state):
+    return jax.tree_util.tree_map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, zero_spec(x, devices))), state)
+
+  plain = optax.adamw(LEARNING_RATE)
+
+  def unguarded_body(state, batch, param_specs):
+    params, opt_state = state
+    loss, grads = jax.value_and_grad(local_loss)(params, batch, param_specs)
+    updates, opt_state = plain.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), jax.lax.psum(loss, "d")
+
+  guarded = jaxmp.loss_scaling(
+      optax.adamw(LEARNING_RATE), jaxmp.DynamicLossScale(INITIAL_SCALE, period=PERIOD),
+      axis_name="d")
+
+  def jaxmp_body(state, batch, param_specs):
+    params, opt_state = state
+    loss, grads = jaxmp.scaled_value_and_grad(
+        lambda p, b: local_loss(p, b, param_specs), jaxmp.get_loss_scale(opt_state))(
+            params, batch)
+    updates, opt_state = guarded.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), jax.lax.psum(loss, "d")
+
+  def plain_select_body(state, batch, param_specs):
+    # The switch is read when the update is traced.
+    previous = os.environ.get(SELECT_SWITCH)
+    os.environ[SELECT_SWITCH] = "0"
+    try:
+      return jaxmp_body(state, batch, param_specs)
+    finally:
+      if previous is None:
+        del os.environ[SELECT_SWITCH]
+      else:
+        os.environ[SELECT_SWITCH] = previous
+
+  return [
+      Variant("unguarded", lambda p: place((p, plain.init(p))), shard_mapped(unguarded_body)),
+      Variant("jaxmp", lambda p: place((p, guarded.init(p))), shard_mapped(jaxmp_body)),
+      Variant("jaxmp plain select", lambda p: place((p, guarded.init(p))),
+              shard_mapped(plain_select_body)),
+  ]
+
+
 # The settings: a label and how to build its problem.
 
 
@@ -277,12 +392,22 @@ def _train_state(size):
   return Problem(train_state_variants(model), params, batch)
 
 
+def _zero(size):
+  loss_fn, params, batch = transformer_loss(size)
+  return Problem(zero_variants(loss_fn), params, batch)
+
+
+def leaves_settings(shapes=DISTINCT_SHAPES) -> dict[str, Callable[[], Problem]]:
+  """The elementwise model: ``n`` leaves of ``n`` shapes for each ``n`` of
+  ``shapes``, and 1000 leaves of one shape."""
+  settings = {f"{n} leaves, {n} shapes": functools.partial(_leaves, n, True)
+              for n in shapes}
+  settings["1000 leaves, 1 shape"] = lambda: _leaves(1000, False)
+  return settings
+
+
 SETTINGS: dict[str, dict[str, Callable[[], Problem]]] = {
-    "leaves": {
-        "10 leaves, 10 shapes": lambda: _leaves(10, True),
-        "100 leaves, 100 shapes": lambda: _leaves(100, True),
-        "1000 leaves, 1 shape": lambda: _leaves(1000, False),
-    },
+    "leaves": leaves_settings(),
     "params": {
         f"transformer {size}": functools.partial(_transformer, size)
         for size in TRANSFORMERS
@@ -298,7 +423,22 @@ SETTINGS: dict[str, dict[str, Callable[[], Problem]]] = {
     "train_state": {
         "transformer 4M, TrainState bf16": lambda: _train_state("4M"),
     },
+    "zero": {
+        f"transformer 4M, ZeRO-style shard_map over {DEVICES} devices":
+            lambda: _zero("4M"),
+    },
 }
+
+
+def state_copies(compiled) -> int:
+  """The ``copy`` instructions of non-scalar buffers in the optimized HLO's
+  entry computation (copies inside fusions are layout changes, not buffers).
+
+  The guard promises no extra copy of the params or the optimizer state.
+  """
+  entry = compiled.as_text().split("\nENTRY", 1)[1]
+  return sum(1 for line in entry.splitlines()
+             if re.search(r" = [a-z0-9]+\[[0-9,]+\][^ ]* copy\(", line))
 
 
 def measure_problem(problem: Problem, repeats: int, dumps: bool = True
@@ -315,6 +455,7 @@ def measure_problem(problem: Problem, repeats: int, dumps: bool = True
       cpu[variant.name].append(cpu_seconds)
       if repeat == 0:
         figures[variant.name] = overhead.compiler_figures(compiled)
+        figures[variant.name]["copies"] = state_copies(compiled)
   base_name = problem.variants[0].name
   for variant in problem.variants:
     f = figures[variant.name]
@@ -338,10 +479,12 @@ def measure(args: argparse.Namespace,
             ) -> dict[str, Any]:
   """Measures every setting of ``args.settings``; ``on_setting`` sees the
   results so far after each one."""
-  results = {"config": {"settings": args.settings, "repeats": args.repeats},
+  results = {"config": {"settings": args.settings, "repeats": args.repeats,
+                        "shapes": args.shapes},
              "machine": overhead.machine_description(), "settings": {}}
+  settings = dict(SETTINGS, leaves=leaves_settings(args.shapes))
   for group in args.settings:
-    for label, build in SETTINGS[group].items():
+    for label, build in settings[group].items():
       results["settings"][label] = measure_problem(build(), args.repeats)
       print(f"measured {label}", file=sys.stderr)
       on_setting(results)
@@ -366,6 +509,11 @@ def markdown(results: dict[str, Any]) -> str:
           f"| {label} | {name} | {overhead.percent(f['bytes_accessed_ratio'], 2)} | "
           f"{f['extra_bytes_per_param']:+.2f} | {overhead.percent(f['temp_ratio'], 2)} | "
           f"{kernels} | {f['compile_seconds']:.2f} | {f['compile_ratio']:.2f}× |")
+  copies = [(label, name, f["copies"]) for label, figures in results["settings"].items()
+            for name, f in figures.items() if "copies" in f]
+  if copies:
+    lines += ["", "| setting | variant | copies of non-scalar buffers |", "|---|---|---|"]
+    lines += [f"| {label} | {name} | {n} |" for label, name, n in copies]
   machine = results["machine"]
   lines += [
       "",
@@ -374,7 +522,9 @@ def markdown(results: dict[str, Any]) -> str:
       "the compiled step with a donated state; extra B/param: the extra bytes "
       "accessed per parameter per step; kernels: kernel modules XLA compiled; "
       f"compile: median CPU seconds of {results['config']['repeats']} fresh "
-      "traces and compilations, done round-robin over the variants.",
+      "traces and compilations, done round-robin over the variants. Copies: "
+      "`copy` instructions of non-scalar buffers in the optimized HLO's entry "
+      "computation (per device inside `shard_map`).",
       "",
       f"Machine: {machine['platform']} ({machine['device_kind']}, "
       f"{machine['cpu_count']} cores), JAX {machine['jax']}, optax "
@@ -389,6 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--settings", nargs="+", choices=list(SETTINGS),
                       default=list(SETTINGS))
+  parser.add_argument("--shapes", type=int, nargs="+", default=list(DISTINCT_SHAPES),
+                      help="distinct leaf shapes of the leaves setting's models "
+                           "(besides 1000 leaves of one shape)")
   parser.add_argument("--repeats", type=int, default=1,
                       help="fresh compilations per variant for the compile time")
   parser.add_argument("--out", default=str(overhead.ROOT / "benchmarks" / "results"),
