@@ -16,6 +16,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.linen import fp8_ops
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxmp
 import jaxmp.flax
@@ -214,6 +215,32 @@ def test_second_step_no_retrace_no_host_transfer():
   with jax.transfer_guard("disallow"):
     loss = step(model, optimizer, x, y)
   assert int(optimizer.step[...]) == 2 and np.isfinite(float(loss))
+
+
+def test_sharded_jit_keeps_meta_replicated_and_consistent():
+  """Two steps with the batch split over 8 devices and the model and
+  optimizer replicated: every Fp8Meta leaf comes out fully replicated, its
+  8 shards equal, and equal to the single device's meta."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices; tests/conftest.py sets them up")
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  x, y = _batch(n=32)
+  single, single_optimizer = _setup()
+  model, optimizer = _setup()
+  for node in (model, optimizer):
+    nnx.update(node, jax.device_put(nnx.state(node), NamedSharding(mesh, P())))
+  rows = NamedSharding(mesh, P("data"))
+  x_rows, y_rows = jax.device_put(x, rows), jax.device_put(y, rows)
+  for _ in range(2):
+    _step(single, single_optimizer, x, y)
+    _step(model, optimizer, x_rows, y_rows)
+  leaves = jax.tree_util.tree_leaves(nnx.state(model, jaxmp.flax.Fp8Meta))
+  assert len(leaves) == 18  # 3 ops, 6 arrays each
+  for leaf in leaves:
+    assert leaf.sharding.is_fully_replicated
+    shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+    assert len(shards) == 8 and all((s == shards[0]).all() for s in shards)
+  chex.assert_trees_all_equal(jax.device_get(_meta(model)), _meta(single))
 
 
 class TinyLm(nnx.Module):
