@@ -243,6 +243,27 @@ def test_sharded_jit_keeps_meta_replicated_and_consistent():
   chex.assert_trees_all_equal(jax.device_get(_meta(model)), _meta(single))
 
 
+def test_checkpoint_resume_is_bit_identical(tmp_path):
+  """save_checkpoint((model, optimizer)) holds the params, the Fp8Meta and
+  the optimizer state; a fresh model and optimizer restored from it take the
+  next two steps bit for bit as the saved run does."""
+  model, optimizer = _setup()
+  x, y = _batch()
+  _step(model, optimizer, x, y)
+  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", (model, optimizer))
+  resumed, resumed_optimizer = _setup()
+  history = lambda model: _ops(model)["head"]["output_grad_amax_history"][0]
+  assert history(resumed) == 0 < history(model)  # the step wrote the meta
+  jaxmp.flax.restore_checkpoint(tmp_path / "ckpt", (resumed, resumed_optimizer))
+  chex.assert_trees_all_equal(_meta(resumed), _meta(model))
+  for _ in range(2):
+    _step(model, optimizer, x, y)
+    _step(resumed, resumed_optimizer, x, y)
+  state = lambda *nodes: nnx.to_pure_dict(nnx.state(nodes))
+  chex.assert_trees_all_equal(state(resumed, resumed_optimizer),
+                              state(model, optimizer))
+
+
 class TinyLm(nnx.Module):
   """Bytes -> embedding -> causal attention -> MLP -> logits, in NNX."""
 
