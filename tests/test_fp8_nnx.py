@@ -264,6 +264,39 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
                               state(model, optimizer))
 
 
+def test_fallback_reports_the_layer_and_the_switch_removes_just_its_fp8_op():
+  """On a float16-base FP8 model whose head overflows, find_overflowing_modules
+  reports the head, not the FP8 op inside it; switching to the proposed policy
+  (the head in float32) takes the head's FP8 op and meta off, says so, and
+  keeps the other layers' ops and meta as they were; the model then trains."""
+  policy = "p=f32,c=f16,o=f32,dot=fp8,amax_history=4"
+  model = Mlp(nnx.Rngs(0))
+  jaxmp.flax.ModulePolicy({}, default=policy).set_nnx_dtypes(model)
+  optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(
+      optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**12)), wrt=nnx.Param)
+  x, y = _batch()
+  # At the initial scales (1), FP8 clips to 448: 8 * 448 * 448 > 65504.
+  model.head.kernel[...] = jnp.full((8, 4), 1e4)
+  report = jaxmp.flax.find_overflowing_modules(model, x * 100)
+  assert report.modules == ("head",)
+  assert [c.path for c in report.calls] == ["", "l1", "l2", "head"]  # no op
+  kept = {name: getattr(model, name).dot_general for name in ("l1", "l2")}
+  kept_meta = {name: _ops(model)[name] for name in ("l1", "l2")}
+  with pytest.warns(UserWarning, match=r"runs 1 layer\(s\) that had FP8 matmuls "
+                    r"without them \('head'\): their FP8 ops, and the "
+                    r"jaxmp\.flax\.Fp8Meta in them, are removed"):
+    jaxmp.switch_precision(optimizer, report.propose_policy(policy), model=model)
+  assert model.head.einsum_op is jnp.einsum and model.head.dtype == jnp.float32
+  assert all(getattr(model, name).dot_general is op for name, op in kept.items())
+  meta = _meta(model)
+  assert sorted(meta) == ["l1", "l2"]
+  chex.assert_trees_all_equal({n: meta[n]["dot_general"] for n in kept}, kept_meta)
+  assert jaxmp.flax.find_overflowing_modules(model, x * 100).modules == ()
+  model.head.kernel[...] = jnp.full((8, 4), 0.1)  # a step that trains
+  _step(model, optimizer, x, y)
+  assert int(jaxmp.loss_scaling_metrics(optimizer.opt_state)["skipped_steps"]) == 0
+
+
 class TinyLm(nnx.Module):
   """Bytes -> embedding -> causal attention -> MLP -> logits, in NNX."""
 
