@@ -1387,6 +1387,39 @@ FP8_NNX_CASES = [
 CASES += FP8_NNX_CASES
 
 
+# -- FP8 models and the fallback helpers (find_overflowing_modules, switch_precision)
+
+
+def fp8_find_without_meta():
+  policy = jaxmp.flax.ModulePolicy({}, default="mixed_fp8")
+  x = jnp.ones((1, 3))
+  variables = policy.wrap_apply(nn.Dense(2).init)(jax.random.key(0), x)
+  jaxmp.flax.find_overflowing_modules(
+      policy.wrap_apply(nn.Dense(2).apply), {"params": variables["params"]}, x)
+
+
+def switch_plain_state_to_fp8():
+  state = jaxmp.flax.TrainState.create(
+      apply_fn=nn.Dense(2).apply, params={"kernel": jnp.ones((3, 2))},
+      tx=optax.sgd(0.1), policy="mixed_float16")
+  jaxmp.switch_precision(state, "mixed_fp8")
+
+
+FP8_FALLBACK_CASES = [
+    Case("find_overflowing_modules: an FP8 model's variables without the FP8 meta",
+         fp8_find_without_meta, ValueError,
+         r"the model runs FP8 matmuls, whose meta \(the '_overwrite_with_gradient' "
+         r"collection\) is not in the variables given",
+         r"'_overwrite_with_gradient': state\.fp8_meta\}"),
+    Case("switch_precision: a TrainState without FP8 meta to an FP8 policy",
+         switch_plain_state_to_fp8, ValueError,
+         r"runs FP8 matmuls, but the state has no FP8 meta \(TrainState\.fp8_meta\)",
+         r"build a new state with the FP8 policy"),
+]
+
+CASES += FP8_FALLBACK_CASES
+
+
 # -- Recovery: the whole TrainState step in the loop (recovering_train_step) ---------
 
 

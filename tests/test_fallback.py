@@ -575,6 +575,34 @@ def test_nnx_overflowing_module_is_found_without_changing_the_model():
   assert jaxmp.flax.find_overflowing_modules(model, X).modules == ()
 
 
+def test_the_innermost_producer_is_reported_however_deep():
+  """model -> block -> head: head produces the inf, and neither the block nor
+  the model around it (whose outputs are inf too) is reported."""
+
+  class Block(nnx.Module):
+
+    def __init__(self, rngs):
+      self.head = NnxHead(rngs, head_scale=1e5)
+
+    def __call__(self, x):
+      return self.head(x)
+
+  class Model(nnx.Module):
+
+    def __init__(self, rngs):
+      self.block = Block(rngs)
+
+    def __call__(self, x):
+      return self.block(x)
+
+  model = Model(nnx.Rngs(0))
+  jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
+  report = jaxmp.flax.find_overflowing_modules(model, X)
+  assert [c.path for c in report.calls if not c.outputs_finite] == [
+      "", "block", "block/head", "block/head/head"]
+  assert report.modules == ("block/head/head",)
+
+
 def test_promotion_on_top_of_a_module_policy_keeps_its_rules():
   x = jax.random.normal(jax.random.key(1), (2, 4))
   report = jaxmp.flax.find_overflowing_modules(

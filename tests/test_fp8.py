@@ -289,6 +289,28 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
   chex.assert_trees_all_equal(resumed.opt_state, state.opt_state)
 
 
+# The fallback helpers.
+
+
+def test_fallback_reports_layers_and_a_switch_out_of_fp8_drops_the_meta():
+  """find_overflowing_modules reports the Dense layers, never the FP8 op
+  inside them; switch_precision to a policy without FP8 drops the meta, says
+  so, and the state then trains in float32."""
+  _, _, variables, state = _setup()
+  x, y = _batch()
+  report = jaxmp.flax.find_overflowing_modules(
+      state.apply_fn, {"params": state.params, META: state.fp8_meta}, x)
+  assert [c.path for c in report.calls] == ["", "Dense_0", "Dense_1"]
+  with pytest.warns(UserWarning, match=r"runs no FP8 matmuls, so the state's FP8 "
+                    r"meta is dropped \(fp8_meta=None\)"):
+    switched = jaxmp.switch_precision(state, "float32")
+  assert switched.fp8_meta is None and switched.params is state.params
+  assert [d for _, d in matmul_dtypes(switched.apply_fn, variables, x)] == [
+      ("float32", "float32")] * 2
+  switched, _ = jax.jit(_step)(switched, x, y)
+  assert int(switched.metrics["skipped_steps"]) == 0
+
+
 # The byte-level LM.
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))

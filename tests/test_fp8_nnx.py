@@ -16,6 +16,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.linen import fp8_ops
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxmp
 import jaxmp.flax
@@ -214,6 +215,86 @@ def test_second_step_no_retrace_no_host_transfer():
   with jax.transfer_guard("disallow"):
     loss = step(model, optimizer, x, y)
   assert int(optimizer.step[...]) == 2 and np.isfinite(float(loss))
+
+
+def test_sharded_jit_keeps_meta_replicated_and_consistent():
+  """Two steps with the batch split over 8 devices and the model and
+  optimizer replicated: every Fp8Meta leaf comes out fully replicated, its
+  8 shards equal, and equal to the single device's meta."""
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices; tests/conftest.py sets them up")
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  x, y = _batch(n=32)
+  single, single_optimizer = _setup()
+  model, optimizer = _setup()
+  for node in (model, optimizer):
+    nnx.update(node, jax.device_put(nnx.state(node), NamedSharding(mesh, P())))
+  rows = NamedSharding(mesh, P("data"))
+  x_rows, y_rows = jax.device_put(x, rows), jax.device_put(y, rows)
+  for _ in range(2):
+    _step(single, single_optimizer, x, y)
+    _step(model, optimizer, x_rows, y_rows)
+  leaves = jax.tree_util.tree_leaves(nnx.state(model, jaxmp.flax.Fp8Meta))
+  assert len(leaves) == 18  # 3 ops, 6 arrays each
+  for leaf in leaves:
+    assert leaf.sharding.is_fully_replicated
+    shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+    assert len(shards) == 8 and all((s == shards[0]).all() for s in shards)
+  chex.assert_trees_all_equal(jax.device_get(_meta(model)), _meta(single))
+
+
+def test_checkpoint_resume_is_bit_identical(tmp_path):
+  """save_checkpoint((model, optimizer)) holds the params, the Fp8Meta and
+  the optimizer state; a fresh model and optimizer restored from it take the
+  next two steps bit for bit as the saved run does."""
+  model, optimizer = _setup()
+  x, y = _batch()
+  _step(model, optimizer, x, y)
+  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", (model, optimizer))
+  resumed, resumed_optimizer = _setup()
+  history = lambda model: _ops(model)["head"]["output_grad_amax_history"][0]
+  assert history(resumed) == 0 < history(model)  # the step wrote the meta
+  jaxmp.flax.restore_checkpoint(tmp_path / "ckpt", (resumed, resumed_optimizer))
+  chex.assert_trees_all_equal(_meta(resumed), _meta(model))
+  for _ in range(2):
+    _step(model, optimizer, x, y)
+    _step(resumed, resumed_optimizer, x, y)
+  state = lambda *nodes: nnx.to_pure_dict(nnx.state(nodes))
+  chex.assert_trees_all_equal(state(resumed, resumed_optimizer),
+                              state(model, optimizer))
+
+
+def test_fallback_reports_the_layer_and_the_switch_removes_just_its_fp8_op():
+  """On a float16-base FP8 model whose head overflows, find_overflowing_modules
+  reports the head, not the FP8 op inside it; switching to the proposed policy
+  (the head in float32) takes the head's FP8 op and meta off, says so, and
+  keeps the other layers' ops and meta as they were; the model then trains."""
+  policy = "p=f32,c=f16,o=f32,dot=fp8,amax_history=4"
+  model = Mlp(nnx.Rngs(0))
+  jaxmp.flax.ModulePolicy({}, default=policy).set_nnx_dtypes(model)
+  optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(
+      optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**12)), wrt=nnx.Param)
+  x, y = _batch()
+  # At the initial scales (1), FP8 clips to 448: 8 * 448 * 448 > 65504.
+  model.head.kernel[...] = jnp.full((8, 4), 1e4)
+  report = jaxmp.flax.find_overflowing_modules(model, x * 100)
+  assert report.modules == ("head",)
+  assert [c.path for c in report.calls] == ["", "l1", "l2", "head"]  # no op
+  kept = {name: getattr(model, name).dot_general for name in ("l1", "l2")}
+  kept_meta = {name: _ops(model)[name] for name in ("l1", "l2")}
+  with pytest.warns(UserWarning, match=r"runs 1 layer\(s\) that had FP8 matmuls "
+                    r"without them \('head'\): their FP8 ops, and the "
+                    r"jaxmp\.flax\.Fp8Meta in them, are removed"):
+    jaxmp.switch_precision(optimizer, report.propose_policy(policy), model=model)
+  assert model.head.einsum_op is jnp.einsum and model.head.dtype == jnp.float32
+  assert all(getattr(model, name).dot_general is op for name, op in kept.items())
+  meta = _meta(model)
+  assert sorted(meta) == ["l1", "l2"]
+  chex.assert_trees_all_equal({n: meta[n]["dot_general"] for n in kept}, kept_meta)
+  assert jaxmp.flax.find_overflowing_modules(model, x * 100).modules == ()
+  model.head.kernel[...] = jnp.full((8, 4), 0.1)  # a step that trains
+  _step(model, optimizer, x, y)
+  assert int(jaxmp.loss_scaling_metrics(optimizer.opt_state)["skipped_steps"]) == 0
 
 
 class TinyLm(nnx.Module):

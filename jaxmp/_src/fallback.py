@@ -222,6 +222,10 @@ def switch_precision(target: Any, policy: Any, *, model: Any = None) -> Any:
     that has a ``dtype`` gets the compute dtype of its policy
     (:meth:`jaxmp.flax.ModulePolicy.set_nnx_dtypes`; a :class:`jaxmp.Policy`
     acts as ``ModulePolicy({}, default=policy)``).
+  * FP8 (a policy with ``dot=fp8``, see the FP8 guide): the layers the new
+    policy runs without FP8 leave it, with a warning. An NNX layer loses its
+    FP8 op and the :class:`jaxmp.flax.Fp8Meta` in it; a ``TrainState``
+    switched to a policy without FP8 matmuls gets ``fp8_meta=None``.
   * Any other optax state holding a :func:`jaxmp.loss_scaling` state: the new
     optimizer state. The optimizer itself needs no change (its ``update``
     reads the loss scale from the state); pass ``policy`` to the step.
@@ -237,8 +241,9 @@ def switch_precision(target: Any, policy: Any, *, model: Any = None) -> Any:
 
   Raises:
     ValueError: if ``target`` holds no loss-scaling state, if ``policy``
-      needs loss scaling and the state has none, or if ``policy`` would store
-      the params in other dtypes.
+      needs loss scaling and the state has none, if ``policy`` would store
+      the params in other dtypes, or if it runs FP8 matmuls and a
+      ``TrainState`` has no FP8 meta.
     TypeError: if ``model`` is missing for (or given to) a target that needs
       (or takes) none.
 

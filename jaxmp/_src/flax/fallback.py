@@ -19,6 +19,7 @@ For :func:`jaxmp.flax.save_checkpoint` and
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Any
 
 import jax
@@ -32,10 +33,12 @@ from jaxmp._src.fallback import (
     with_initial_loss_scale,
     with_loss_scale,
 )
+from jaxmp._src.flax.fp8 import uses_fp8
+from jaxmp._src.flax.fp8_nnx import detach_fp8_ops, is_fp8_op, reattach_fp8_op
 from jaxmp._src.flax.module_policy import ModulePolicy
 from jaxmp._src.flax.train_state import TrainState
 from jaxmp._src.path_policy import PathPolicy
-from jaxmp._src.policy import Policy, WrappedApply, get_policy
+from jaxmp._src.policy import Fp8Policy, Policy, WrappedApply, get_policy
 
 
 def _check_storage_dtypes(params: Any, policy: Any) -> None:
@@ -61,7 +64,27 @@ def _switch_train_state(state: TrainState, policy: Any, loss_scale: Any,
         "switch_precision: model= is for an nnx.Optimizer; a TrainState holds "
         "its apply_fn and takes no model."
     )
+  if isinstance(policy, Fp8Policy):
+    policy = ModulePolicy({}, default=policy)  # as TrainState.create does
   _check_storage_dtypes(state.params, policy)
+  fp8_meta = state.fp8_meta
+  runs_fp8 = isinstance(policy, ModulePolicy) and uses_fp8(
+      [policy.default, *(p for _, p in policy.rules)])
+  if runs_fp8 and fp8_meta is None:
+    raise ValueError(
+        f"switch_precision: the policy {policy} runs FP8 matmuls, but the "
+        "state has no FP8 meta (TrainState.fp8_meta) for them. A switch goes "
+        "towards wider dtypes and keeps the state it finds; to train in FP8, "
+        "build a new state with the FP8 policy: variables = "
+        "policy.wrap_apply(model.init)(key, x), then TrainState.create(..., "
+        "fp8_meta=variables['_overwrite_with_gradient'], policy=policy).")
+  if fp8_meta is not None and not runs_fp8:
+    warnings.warn(
+        f"switch_precision: the policy {policy} runs no FP8 matmuls, so the "
+        "state's FP8 meta is dropped (fp8_meta=None) and the Dense, "
+        "DenseGeneral and Einsum layers compute in the new policy's dtype.",
+        UserWarning, stacklevel=3)
+    fp8_meta = None
   apply_fn = state.apply_fn
   if isinstance(apply_fn, WrappedApply):
     apply_fn = apply_fn.apply_fn  # the model's own apply, unwrapped
@@ -70,7 +93,12 @@ def _switch_train_state(state: TrainState, policy: Any, loss_scale: Any,
     tx = with_initial_loss_scale(tx, loss_scale)
     opt_state = with_loss_scale(opt_state, loss_scale)
   return state.replace(policy=policy, apply_fn=policy.wrap_apply(apply_fn),
-                       tx=tx, opt_state=opt_state)
+                       tx=tx, opt_state=opt_state, fp8_meta=fp8_meta)
+
+
+def _listing(paths: list[str], shown: int = 6) -> str:
+  text = ", ".join(repr(p) for p in paths[:shown])
+  return text + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
 
 
 def _as_module_policy(policy: Any) -> ModulePolicy:
@@ -97,12 +125,33 @@ def _switch_nnx(optimizer: Any, policy: Any, loss_scale: Any, model: Any) -> Any
   module_policy = _as_module_policy(policy)
   declared = [(module, module.dtype) for _, module in nnx.iter_modules(model)
               if hasattr(module, "dtype")]
+  # The FP8 ops come off first, so that set_nnx_dtypes gives FP8 ops to just
+  # the layers the new policy runs in FP8; those get their old op (and meta)
+  # back.
+  detached = detach_fp8_ops(model)
   try:
     module_policy.set_nnx_dtypes(model)
   except Exception:
-    for module, dtype in declared:  # leave the model as it was
+    detach_fp8_ops(model)  # leave the model as it was
+    for module, attribute, op in detached.values():
+      reattach_fp8_op(module, attribute, op)
+    for module, dtype in declared:
       module.dtype = dtype
     raise
+  dropped = []
+  for path, (module, attribute, op) in detached.items():
+    new = getattr(module, attribute)
+    if is_fp8_op(new) and new.amax_history_length == op.amax_history_length:
+      reattach_fp8_op(module, attribute, op)
+    else:
+      dropped.append(path)
+  if dropped:
+    warnings.warn(
+        f"switch_precision: the policy {policy} runs {len(dropped)} layer(s) "
+        f"that had FP8 matmuls without them ({_listing(dropped)}): their FP8 "
+        "ops, and the jaxmp.flax.Fp8Meta in them, are removed from the model, "
+        "which computes those matmuls in the new policy's dtype.",
+        UserWarning, stacklevel=3)
   if loss_scale is not None:
     optimizer.opt_state = with_loss_scale(optimizer.opt_state, loss_scale)
     optimizer.tx = with_initial_loss_scale(optimizer.tx, loss_scale)

@@ -136,6 +136,46 @@ class Fp8Einsum(_Fp8Op):
         _dot_general=self._scaled_dot_general(rhs.dtype))
 
 
+def _matmul_hook(module: Any) -> tuple[str, Any, type] | None:
+  """``(attribute, its default, op type)`` of an NNX matmul layer, or None."""
+  if isinstance(module, nnx.Einsum):
+    return "einsum_op", jnp.einsum, Fp8Einsum
+  if isinstance(module, nnx.Linear):
+    return "dot_general", lax.dot_general, Fp8DotGeneral
+  if isinstance(module, nnx.LinearGeneral):
+    return "dot_general", None, Fp8DotGeneral
+  return None
+
+
+def is_fp8_op(module: Any) -> bool:
+  """Whether ``module`` is one of jaxmp's NNX FP8 ops (not a model's layer)."""
+  return isinstance(module, _Fp8Op)
+
+
+def detach_fp8_ops(model: Any) -> dict[str, tuple[Any, str, Any]]:
+  """Takes jaxmp's FP8 ops off the matmul layers of an NNX model.
+
+  Each layer gets its default matmul back (the layer as built without
+  FP8); the op, which holds the layer's :class:`Fp8Meta`, goes with it.
+
+  Returns:
+    ``{layer path: (layer, attribute, op)}``, for :func:`reattach_fp8_op`.
+  """
+  removed = {}
+  for path, module in list(nnx.iter_modules(model)):
+    hook = _matmul_hook(module)
+    if hook is not None and isinstance(getattr(module, hook[0]), _Fp8Op):
+      removed["/".join(str(p) for p in path)] = (
+          module, hook[0], getattr(module, hook[0]))
+      setattr(module, hook[0], nnx.static(hook[1]))
+  return removed
+
+
+def reattach_fp8_op(module: Any, attribute: str, op: Any) -> None:
+  """Gives a layer back an op :func:`detach_fp8_ops` took off it."""
+  setattr(module, attribute, nnx.data(op))
+
+
 def attach_fp8_op(module: Any, policy: Any, path: str) -> bool:
   """Gives an NNX matmul layer under an FP8 ``policy`` its FP8 op.
 
@@ -153,16 +193,12 @@ def attach_fp8_op(module: Any, policy: Any, path: str) -> bool:
       /``einsum_op``, or jaxmp's op from another policy (another history
       length, or a policy without FP8 now).
   """
-  if isinstance(module, nnx.Einsum):
-    attribute, default, op_type = "einsum_op", jnp.einsum, Fp8Einsum
-  elif isinstance(module, nnx.Linear):
-    attribute, default, op_type = "dot_general", lax.dot_general, Fp8DotGeneral
-  elif isinstance(module, nnx.LinearGeneral):
-    attribute, default, op_type = "dot_general", None, Fp8DotGeneral
-    if module.dot_general_cls is not None:
-      raise _own_matmul(module, path, "dot_general_cls", policy)
-  else:
+  hook = _matmul_hook(module)
+  if hook is None:
     return False
+  attribute, default, op_type = hook
+  if isinstance(module, nnx.LinearGeneral) and module.dot_general_cls is not None:
+    raise _own_matmul(module, path, "dot_general_cls", policy)
   current = getattr(module, attribute)
   fp8 = isinstance(policy, Fp8Policy)
   if isinstance(current, _Fp8Op):

@@ -29,6 +29,8 @@ import numpy as np
 
 from jaxmp._src.default_loss_scale import as_policy
 from jaxmp._src.diagnostics import nonfinite_paths
+from jaxmp._src.flax.fp8 import FP8_META
+from jaxmp._src.flax.fp8_nnx import is_fp8_op
 from jaxmp._src.flax.module_policy import ModulePolicy
 from jaxmp._src.loss_scale import all_finite
 from jaxmp._src.policy import Policy, is_floating_array
@@ -205,10 +207,14 @@ class _Recorder:
         ModuleCall(path, method, bool(np.asarray(i)), bool(np.asarray(o)), parent)
         for (path, method, parent), (i, o) in zip(self.calls, flags))
     sources = [c.inputs_finite and not c.outputs_finite for c in calls]
-    for index in range(len(calls) - 1, -1, -1):  # children come after parents
+    # A call inside which a module produced the values is no source, however
+    # deep inside: children come after their parents.
+    produced_inside = [False] * len(calls)
+    for index in range(len(calls) - 1, -1, -1):
       parent = calls[index].parent
-      if parent >= 0 and sources[index]:
-        sources[parent] = False
+      if parent >= 0 and (sources[index] or produced_inside[index]):
+        produced_inside[parent] = True
+    sources = [s and not inside for s, inside in zip(sources, produced_inside)]
     modules = []
     for call, source in zip(calls, sources):
       if source and call.path not in modules:
@@ -263,12 +269,16 @@ def _split_arrays(tree: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
 
 def _linen(apply_fn: Callable[..., Any], args: tuple[Any, ...],
            kwargs: dict[str, Any], grads: Any) -> OverflowReport:
+  import flax  # pylint: disable=g-import-not-at-top
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from flax.linen import fp8_ops  # pylint: disable=g-import-not-at-top
 
   recorder = _Recorder()
 
   def intercept(next_fun, call_args, call_kwargs, context):
-    if context.method_name == "setup":
+    if context.method_name == "setup" or isinstance(
+        context.module, fp8_ops.Fp8DotGeneralBase):
+      # An FP8 op is part of the layer that holds it: the layer is reported.
       return next_fun(*call_args, **call_kwargs)
     scope = context.module.scope
     path = "/".join(scope.path) if scope is not None else _ROOT
@@ -284,7 +294,18 @@ def _linen(apply_fn: Callable[..., Any], args: tuple[Any, ...],
       apply_fn(*call_args, **call_kwargs)
     return recorder.flags
 
-  return recorder.report(jax.jit(forward)(arrays), grads)
+  try:
+    flags = jax.jit(forward)(arrays)
+  except flax.errors.ScopeCollectionNotFound as e:
+    if FP8_META not in str(e):
+      raise
+    raise ValueError(
+        "find_overflowing_modules: the model runs FP8 matmuls, whose meta "
+        f"(the {FP8_META!r} collection) is not in the variables given. Pass "
+        "it with the params: find_overflowing_modules(state.apply_fn, "
+        f"{{'params': state.params, {FP8_META!r}: state.fp8_meta}}, x)."
+    ) from None
+  return recorder.report(flags, grads)
 
 
 @contextlib.contextmanager
@@ -292,8 +313,9 @@ def _watching_nnx_calls(model: Any, recorder: _Recorder) -> Iterator[None]:
   """Wraps ``__call__`` of the model's module classes while the block runs."""
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
+  # An FP8 op is part of the layer that holds it: the layer is reported.
   paths = {id(m): "/".join(str(p) for p in path)
-           for path, m in nnx.iter_modules(model)}
+           for path, m in nnx.iter_modules(model) if not is_fp8_op(m)}
   classes = list(dict.fromkeys(type(m) for _, m in nnx.iter_modules(model)))
   originals = {cls: cls.__call__ for cls in classes}  # before any is wrapped
   own = {cls: "__call__" in vars(cls) for cls in classes}
