@@ -159,6 +159,36 @@ def test_finite_step_meta_is_flax_rule_on_unscaled_gradients():
   assert 0 < float(history[0]) < 1  # unscaled: not 2**12 times the gradient
 
 
+class TwoHeads(nn.Module):
+  """Two Dense heads, of which a step may run one."""
+
+  @nn.compact
+  def __call__(self, x, only_a=False):
+    a = nn.Dense(4, name="a")(x)
+    return a if only_a else a + nn.Dense(4, name="b")(x)
+
+
+def test_an_op_that_did_not_run_keeps_its_meta():
+  """Flax's pattern gives the meta of a layer that did not run a zero
+  "gradient": written back, its scales would be 0. Its meta is kept."""
+  _, _, _, state = _setup(model=TwoHeads())
+  x, y = _batch()
+
+  def loss_fn(params, x, y):
+    return _mse_of(state.apply_fn({"params": params}, x, only_a=True), y)
+
+  @jax.jit
+  def step(state, x, y):
+    _, grads = state.value_and_grad(loss_fn)(state.params, x, y)
+    return state.apply_gradients(grads=grads)
+
+  new_state = step(state, x, y)
+  assert int(new_state.metrics["skipped_steps"]) == 0
+  chex.assert_trees_all_equal(new_state.fp8_meta["b"], state.fp8_meta["b"])
+  # The op that ran is written (its scales move from the next step on).
+  assert float(new_state.fp8_meta["a"][OP]["input_amax_history"][0]) > 0
+
+
 @pytest.mark.parametrize("use_bias", [True, False])
 def test_injected_inf_keeps_params_opt_state_and_meta(use_bias):
   """Without bias every gradient goes through Flax's FP8 op, which saturates

@@ -80,6 +80,23 @@ def _ops(model):
           "head": meta["head"]["einsum_op"]}
 
 
+def test_an_op_that_did_not_run_keeps_its_meta():
+  """The head does not run in this step: Flax's pattern would give its meta
+  zeros (scales of 0); it keeps its meta, and the layers that ran are written."""
+  model, optimizer = _setup()
+  x, y = _batch()
+  before = _ops(model)
+
+  def without_head(model, x, y):
+    return jnp.mean((model.l2(nnx.relu(model.l1(x))).astype(jnp.float32)[:, :4] - y) ** 2)
+
+  _step(model, optimizer, x, y, loss_fn=without_head)
+  after = _ops(model)
+  chex.assert_trees_all_equal(after["head"], before["head"])
+  for name in ("l1", "l2"):
+    assert float(after[name]["input_amax_history"][0]) > 0, name
+
+
 def test_set_nnx_dtypes_gives_each_matmul_layer_an_fp8_op_with_flax_meta():
   """Linear, LinearGeneral (those of MultiHeadAttention too) and Einsum get
   an op whose meta is laid out as Flax's Linen op's; the params are left

@@ -16,8 +16,8 @@ value. This module holds what jaxmp adds around Flax's ops, for Linen and
 * :func:`in_step_units`: the FP8 meta of the output gradients is kept in
   *unscaled* units; for one step it is multiplied by the loss scale (the
   gradients the op sees are scaled), and its new value divided by it;
-* :func:`split_fp8_grads`, :func:`meta_is_finite` and
-  :func:`skip_unless_meta_finite`, which
+* :func:`split_fp8_grads`, :func:`keep_meta_of_ops_that_did_not_run`,
+  :func:`meta_is_finite` and :func:`skip_unless_meta_finite`, which
   :meth:`jaxmp.flax.TrainState.apply_gradients` and
   :func:`jaxmp.flax.nnx_scaled_value_and_grad` use to guard the meta.
 """
@@ -166,9 +166,14 @@ def fp8_einsum_call(module: Any, policy: Any, method_name: str) -> Any:
   return call
 
 
-def _is_output_grad_leaf(path: tuple[Any, ...]) -> bool:
+def _leaf_name(path: tuple[Any, ...]) -> Any:
+  """The name of a meta leaf (``"input_scale"``, ...) from its tree path."""
   last = path[-1] if path else None
-  return getattr(last, "key", getattr(last, "name", None)) in _OUTPUT_GRAD_LEAVES
+  return getattr(last, "key", getattr(last, "name", None))
+
+
+def _is_output_grad_leaf(path: tuple[Any, ...]) -> bool:
+  return _leaf_name(path) in _OUTPUT_GRAD_LEAVES
 
 
 @jax.custom_vjp
@@ -228,6 +233,30 @@ def split_fp8_grads(grads: Any) -> tuple[Any, Any] | None:
         f"{{'params': param_grads, {FP8_META!r}: new_meta}}, as "
         "state.value_and_grad returns them.")
   return grads["params"], grads[FP8_META]
+
+
+def keep_meta_of_ops_that_did_not_run(old_meta: Any, new_meta: Any) -> Any:
+  """``new_meta``, with the old meta of every op whose new input scale is 0.
+
+  Flax's overwrite-with-gradient pattern returns each op's new meta as the
+  meta's cotangent, so an op that did not run in the step (a layer skipped
+  by a branch, an unused head) gets zeros: its scales would be overwritten
+  with 0 and its histories emptied, and its next run would divide by a zero
+  scale. A scale Flax computes is never 0 otherwise, except when the amax is
+  so small (below about 1e-36) that ``fp8_max / amax`` overflows float32, where
+  keeping the old scale is right too. So each op (the six leaves under one
+  parent) keeps all its old meta when its new ``input_scale`` is 0. A
+  ``jnp.where`` per leaf on the op's flag: no host synchronisation.
+  """
+  ran = {path[:-1]: jnp.all(leaf != 0)
+         for path, leaf in jax.tree_util.tree_leaves_with_path(new_meta)
+         if _leaf_name(path) == "input_scale"}
+
+  def select(path, old, new):
+    flag = ran.get(path[:-1])
+    return new if flag is None else jnp.where(flag, new, old)
+
+  return jax.tree_util.tree_map_with_path(select, old_meta, new_meta)
 
 
 def meta_is_finite(fp8_meta: Any) -> jax.Array:

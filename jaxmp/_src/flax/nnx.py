@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxmp._src.autocast import autocast_returning_state
-from jaxmp._src.flax.fp8 import in_step_units, skip_unless_meta_finite
+from jaxmp._src.flax.fp8 import (
+    in_step_units, keep_meta_of_ops_that_did_not_run, skip_unless_meta_finite)
 from jaxmp._src.flax.fp8_nnx import Fp8Meta
 from jaxmp._src.loss_scale import LossScale, NoOpLossScale
 from jaxmp._src.loss_scaling import _find_state
@@ -210,7 +211,9 @@ def _with_fp8_meta(grad_fn, fun, loss_scale, argnums, has_aux, refused):
     if refused is not None:
       raise ValueError(f"{_CALLER}: the model has FP8 meta; {refused}")
     _check_kept(meta)
-    out, (new_meta, *grads) = meta_grad_fn(nnx.as_pure(meta), *args, **kwargs)
+    stored_meta = nnx.as_pure(meta)
+    out, (new_meta, *grads) = meta_grad_fn(stored_meta, *args, **kwargs)
+    new_meta = keep_meta_of_ops_that_did_not_run(stored_meta, new_meta)
     grads = skip_unless_meta_finite(grads[0] if single else tuple(grads), new_meta)
     nnx.update((args, kwargs), new_meta)
     return out, grads

@@ -17,6 +17,7 @@ from jaxmp._src.default_loss_scale import as_policy, default_loss_scale
 from jaxmp._src.flax.fp8 import (
   FP8_META,
   in_step_units,
+  keep_meta_of_ops_that_did_not_run,
   skip_unless_meta_finite,
   split_fp8_grads,
   uses_fp8,
@@ -288,6 +289,7 @@ class TrainState(train_state.TrainState):
     fp8 = self._split_fp8(grads, kwargs)
     if fp8 is not None:
       grads, new_meta = fp8
+      new_meta = keep_meta_of_ops_that_did_not_run(self.fp8_meta, new_meta)
       # Flax's ops saturate an inf output gradient to the FP8 maximum, so the
       # weight gradients may look finite while the new amax is not: a
       # non-finite new meta makes the step non-finite too.
