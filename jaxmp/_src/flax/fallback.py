@@ -33,9 +33,8 @@ from jaxmp._src.fallback import (
     with_initial_loss_scale,
     with_loss_scale,
 )
-from jaxmp._src.flax.fp8 import uses_fp8
 from jaxmp._src.flax.fp8_nnx import detach_fp8_ops, is_fp8_op, reattach_fp8_op
-from jaxmp._src.flax.module_policy import ModulePolicy
+from jaxmp._src.flax.module_policy import ModulePolicy, runs_fp8
 from jaxmp._src.flax.train_state import TrainState
 from jaxmp._src.path_policy import PathPolicy
 from jaxmp._src.policy import Fp8Policy, Policy, WrappedApply, get_policy
@@ -68,9 +67,8 @@ def _switch_train_state(state: TrainState, policy: Any, loss_scale: Any,
     policy = ModulePolicy({}, default=policy)  # as TrainState.create does
   _check_storage_dtypes(state.params, policy)
   fp8_meta = state.fp8_meta
-  runs_fp8 = isinstance(policy, ModulePolicy) and uses_fp8(
-      [policy.default, *(p for _, p in policy.rules)])
-  if runs_fp8 and fp8_meta is None:
+  fp8_policy = runs_fp8(policy)
+  if fp8_policy and fp8_meta is None:
     raise ValueError(
         f"switch_precision: the policy {policy} runs FP8 matmuls, but the "
         "state has no FP8 meta (TrainState.fp8_meta) for them. A switch goes "
@@ -78,7 +76,7 @@ def _switch_train_state(state: TrainState, policy: Any, loss_scale: Any,
         "build a new state with the FP8 policy: variables = "
         "policy.wrap_apply(model.init)(key, x), then TrainState.create(..., "
         "fp8_meta=variables['_overwrite_with_gradient'], policy=policy).")
-  if fp8_meta is not None and not runs_fp8:
+  if fp8_meta is not None and not fp8_policy:
     warnings.warn(
         f"switch_precision: the policy {policy} runs no FP8 matmuls, so the "
         "state's FP8 meta is dropped (fp8_meta=None) and the Dense, "

@@ -22,7 +22,7 @@ import numpy as np
 from flax import struct
 from flax.core import meta
 
-from jaxmp._src.flax.fp8 import fp8_dot_general_cls, fp8_einsum_call
+from jaxmp._src.flax.fp8 import fp8_dot_general_cls, fp8_einsum_call, uses_fp8
 from jaxmp._src.flax.fp8_nnx import attach_fp8_op
 from jaxmp._src.policy import (
   Policy,
@@ -538,3 +538,9 @@ def _rule_hits(key: Any, module: Any, name: str | None, path: str) -> bool:
   return (name is not None and re.fullmatch(key, name) is not None) or (
       re.fullmatch(key, path) is not None
   )
+
+
+def runs_fp8(policy: Any) -> bool:
+  """Whether ``policy`` is a :class:`ModulePolicy` whose default or a rule is FP8."""
+  return isinstance(policy, ModulePolicy) and uses_fp8(
+      [policy.default, *(p for _, p in policy.rules)])

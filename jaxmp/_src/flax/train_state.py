@@ -20,9 +20,8 @@ from jaxmp._src.flax.fp8 import (
   keep_meta_of_ops_that_did_not_run,
   skip_unless_meta_finite,
   split_fp8_grads,
-  uses_fp8,
 )
-from jaxmp._src.flax.module_policy import ModulePolicy
+from jaxmp._src.flax.module_policy import ModulePolicy, runs_fp8
 from jaxmp._src.inplace_select import check_same_structure
 from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.loss_scaling import (
@@ -536,8 +535,7 @@ def _check_fp8_arguments(policy: Any, params: Any, fp8_meta: Any,
         "the optimizer would update the scales (and the unscale divide them "
         "by the loss scale). Pass the two collections apart: "
         f"create(params=variables['params'], fp8_meta=variables[{FP8_META!r}]).")
-  fp8_policy = isinstance(policy, ModulePolicy) and uses_fp8(
-      [policy.default, *(p for _, p in policy.rules)])
+  fp8_policy = runs_fp8(policy)
   if fp8_policy and fp8_meta is None:
     raise ValueError(
         f"{owner}: the policy {policy} runs FP8 matmuls, whose scales and "
