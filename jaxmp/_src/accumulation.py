@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmp._src.inplace_select import check_same_structure
 from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.loss_scaling import (
     LossScalingState,
     agree_on_finite,
+    check_grads_match_params,
     check_guard_options,
     clip_and_check,
     global_norm_and_finite,
@@ -147,13 +147,7 @@ def multi_steps(
 
   def update_fn(grads, state, params=None, **extra_args):
     _check_state(state)
-    if params is not None:
-      check_same_structure(
-          grads, params, owner=f"{OWNER}'s update",
-          names=("the gradients", "the params"),
-          fix="Differentiate with respect to the same params you pass to "
-          "update (e.g. jaxmp.scaled_value_and_grad(loss_fn, loss_scale)"
-          "(params)).")
+    check_grads_match_params(grads, params, OWNER)
     recovery = extra_args.pop("recovery", None)
     scaling_state = state.inner_opt_state
     if recovery is None:

@@ -57,6 +57,16 @@ def _to_device_state(loss_scale: LossScale) -> LossScale:
   return jax.tree_util.tree_map(jnp.asarray, loss_scale)
 
 
+def check_grads_match_params(grads: Any, params: Any, owner: str) -> None:
+  """Refuses gradients of another structure than the params (None: no check)."""
+  if params is not None:
+    check_same_structure(
+        grads, params, owner=f"{owner}'s update",
+        names=("the gradients", "the params"),
+        fix="Differentiate with respect to the same params you pass to "
+        "update (e.g. jaxmp.scaled_value_and_grad(loss_fn, loss_scale)"
+        "(params)).")
+
 def loss_scaling(
     inner: optax.GradientTransformation,
     loss_scale: LossScale,
@@ -200,13 +210,7 @@ def wrap_with_loss_scaling(
           "returned. Pass the state returned by tx.init(params)."
       )
     _refuse_fp8_meta(updates, owner)
-    if params is not None:
-      check_same_structure(
-          updates, params, owner=f"{owner}'s update",
-          names=("the gradients", "the params"),
-          fix="Differentiate with respect to the same params you pass to "
-          "update (e.g. jaxmp.scaled_value_and_grad(loss_fn, loss_scale)"
-          "(params)).")
+    check_grads_match_params(updates, params, owner)
     recovery = extra_args.pop("recovery", None)
     if recovery is None:
       current = state.loss_scale
