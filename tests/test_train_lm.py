@@ -27,21 +27,31 @@ def _run(*args, cwd):
   )
 
 
+COMPARED = ["float32", "mixed_bfloat16", "mixed_float16", "mixed_fp8",
+            "mixed_float16+recover"]
+
+
 @pytest.fixture(scope="module")
 def compare_run(tmp_path_factory):
-  """One `--policy compare` run; float16 starts at 2**24 so that it overflows."""
+  """One `--policy compare --fp8 --recover` run (one process for the five
+  runs); float16 starts at 2**24 so that it overflows."""
   out = tmp_path_factory.mktemp("runs")
-  proc = _run(*TINY, "--init-scale", "2**24", "--out", str(out), cwd=out)
+  proc = _run(*TINY, "--init-scale", "2**24", "--fp8", "--recover",
+              "--out", str(out), cwd=out)
   assert proc.returncode == 0, proc.stderr
   (run_dir,) = list(out.iterdir())
   return proc, run_dir
 
 
+def _results(run_dir):
+  return {r["policy"]: r for r in
+          json.loads((run_dir / "metrics.json").read_text())["results"]}
+
+
 def test_writes_metrics_and_plot(compare_run):
   proc, run_dir = compare_run
   metrics = json.loads((run_dir / "metrics.json").read_text())
-  assert [r["policy"] for r in metrics["results"]] == [
-      "float32", "mixed_bfloat16", "mixed_float16"]
+  assert [r["policy"] for r in metrics["results"]] == COMPARED
   png = (run_dir / "loss.png").read_bytes()
   assert png.startswith(b"\x89PNG") and len(png) > 10_000
   assert "| policy | train loss | val loss |" in proc.stdout
@@ -62,8 +72,7 @@ def test_every_policy_learns(compare_run):
 
 def test_float16_from_2_24_overflows_and_backs_off(compare_run):
   _, run_dir = compare_run
-  results = {r["policy"]: r for r in
-             json.loads((run_dir / "metrics.json").read_text())["results"]}
+  results = _results(run_dir)
   fp16 = results["mixed_float16"]
   assert fp16["loss_scaling"]
   assert fp16["skipped_steps"] >= 1
@@ -80,11 +89,17 @@ def test_float16_from_2_24_overflows_and_backs_off(compare_run):
     assert results[name]["skipped_steps"] == 0
 
 
-def test_the_default_run_has_no_precision_events(compare_run):
-  proc, run_dir = compare_run
-  assert "lost batches per policy" not in proc.stdout
-  for result in json.loads((run_dir / "metrics.json").read_text())["results"]:
+def test_runs_without_events_or_recovery_have_the_plain_table(compare_run):
+  _, run_dir = compare_run
+  results = _results(run_dir)
+  for result in results.values():
     assert result["events"] == []
+  plain = [r for name, r in results.items() if not name.endswith("+recover")]
+  table = train_lm.summary_table(plain)
+  assert table.startswith(
+      "| policy | train loss | val loss | skipped steps | final loss scale "
+      "| tokens/s | memory |\n")
+  assert "lost batches per policy" not in table and "recovered steps" not in table
 
 
 @pytest.fixture(scope="module")
@@ -148,36 +163,28 @@ def test_the_recovering_run_recovers_the_spike_batch_and_switches(spike_run):
           and "| 1 | mixed_float16: 0, float32: 0 |" in proc.stdout)
 
 
-def test_recovering_from_2_24_loses_no_batch_where_plain_loses_eight(tmp_path):
-  proc = _run(*TINY, "--steps", "10", "--policy", "mixed_float16",
-              "--init-scale", "2**24", "--recover", "--out", str(tmp_path),
-              cwd=tmp_path)
-  assert proc.returncode == 0, proc.stderr
-  (run_dir,) = list(tmp_path.iterdir())
-  results = {r["policy"]: r for r in
-             json.loads((run_dir / "metrics.json").read_text())["results"]}
+def test_recovering_from_2_24_loses_no_batch_where_plain_loses_eight(compare_run):
+  proc, run_dir = compare_run
+  results = _results(run_dir)
   plain, recovering = results["mixed_float16"], results["mixed_float16+recover"]
   # Plain skipping loses a batch per halving from 2**24 down to 2**16.
   assert plain["lost_batches"] == {"p=f32,c=f16,o=f32": 8}
-  assert plain["train"]["skipped"] == [True] * 8 + [False] * 2
+  assert plain["train"]["skipped"] == [True] * 8 + [False] * 4
   # With 8 retries the first batch is recomputed at 2**16 inside its step.
   assert recovering["lost_batches"] == {"p=f32,c=f16,o=f32": 0}
-  assert recovering["train"]["recovered"] == [True] + [False] * 9
+  assert recovering["train"]["recovered"] == [True] + [False] * 11
   assert recovering["train"]["loss_scale"][:2] == [2.0**24, 2.0**16]
   assert ("| mixed_float16 |" in proc.stdout and "| - | mixed_float16: 8 | - |"
           in proc.stdout)
   assert "| 1 | mixed_float16: 0 | - |" in proc.stdout
-  assert (run_dir / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
-def test_the_fp8_run_trains_with_finite_fp8_meta(tmp_path):
-  """--policy mixed_fp8: the demo's 7 matmuls (4 attention projections, 2
-  MLP layers, the head) train in FP8 through TrainState; the meta it ends with
-  is finite and was written (Flax starts every scale at 1)."""
-  proc = _run(*TINY, "--policy", "mixed_fp8", "--out", str(tmp_path), cwd=tmp_path)
-  assert proc.returncode == 0, proc.stderr
-  (run_dir,) = list(tmp_path.iterdir())
-  (run,) = json.loads((run_dir / "metrics.json").read_text())["results"]
+def test_the_fp8_run_trains_with_finite_fp8_meta(compare_run):
+  """--fp8: the demo's 7 matmuls (4 attention projections, 2 MLP layers, the
+  head) train in FP8 through TrainState; the meta it ends with is finite and
+  was written (Flax starts every scale at 1)."""
+  proc, run_dir = compare_run
+  run = _results(run_dir)["mixed_fp8"]
   assert run["policy_string"] == "p=f32,c=bf16,o=f32,dot=fp8"
   assert not run["loss_scaling"] and run["skipped_steps"] == 0
   meta = run["fp8_meta"]
@@ -186,14 +193,10 @@ def test_the_fp8_run_trains_with_finite_fp8_meta(tmp_path):
                                     "output_grad_scale"]
   for low, high in meta["scales"].values():
     assert 0 < low <= high < 1 and math.isfinite(high)
-  loss = run["train"]["loss"]
-  assert all(math.isfinite(x) for x in loss)
-  assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3 - 0.3
   assert math.isfinite(run["final_val_loss"])
   assert "| mixed_fp8 |" in proc.stdout
   assert "mixed_fp8: 7 matmuls in FP8" in proc.stdout
   assert "XLA emulates FP8" in proc.stdout
-  assert (run_dir / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_fp8_flag_adds_mixed_fp8_to_the_compared_policies():
