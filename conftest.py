@@ -10,11 +10,11 @@ jaxmp, so both run alike:
 * XLA:CPU compiles with LLVM's optimisations off
   (``--xla_backend_optimization_level=0``, unless ``XLA_FLAGS`` sets a level):
   compiling is most of the suite's time, and this cuts the suite's CPU time by
-  about 40%. XLA's own passes
-  still run, so fusion, buffer assignment and the compiler's figures (bytes
-  accessed, temp and peak memory, kernel count) are those of a default
-  compilation. Results can differ from a default compilation in the last bits,
-  so the tests compare only results computed under the same settings;
+  about 40%. XLA's own passes still run, so fusion, buffer assignment and the
+  compiler's figures (bytes accessed, temp and peak memory, kernel count) are
+  those of a default compilation. Results can differ from a default
+  compilation in the last bits, so the tests compare only results computed
+  under the same settings;
 * strict dtype promotion (``jax_numpy_dtype_promotion="strict"``): an
   operation that mixes dtypes, such as a float16 array times a float32 one,
   raises instead of silently upcasting. jaxmp, the tests, the docstring
