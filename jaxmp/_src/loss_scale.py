@@ -554,7 +554,9 @@ def all_finite(tree: Any) -> jax.Array:
   An empty tree (``{}``, ``None``) is finite. A complex value is finite when
   both its real and imaginary parts are; integer and bool leaves are always
   finite. Works under ``jit``; under ``jit`` with sharded arrays the
-  reduction is global (XLA inserts the all-reduce).
+  reduction is global (XLA inserts the all-reduce). The leaves of one shape
+  and dtype are reduced together, in one pass that reads each leaf once and
+  writes no intermediate mask.
 
   Example:
     >>> import jax.numpy as jnp, jaxmp
