@@ -6,11 +6,13 @@ the ``XLA_FLAGS`` it was started with, with one form of the check in
 CPU seconds of trace, lower and compile (as ``scaling.py`` measures them),
 and appends them as one JSON line to ``--out``. The forms:
 
-* ``per-leaf`` (``jaxmp.all_finite``): ``jnp.all(jnp.isfinite(x))`` per leaf,
-  stacked and reduced;
-* ``by-shape``: the leaves grouped by shape and dtype, one variadic
-  ``lax.reduce`` over the tuple of each group's ``isfinite`` operands (one
-  reduce op per distinct shape).
+* ``by-shape`` (``jaxmp.all_finite``, the default): the leaves grouped by
+  shape and dtype, one variadic ``lax.reduce`` over the tuple of each group's
+  ``isfinite`` operands (one reduce op per distinct shape);
+* ``per-leaf`` (the check jaxmp shipped before): ``jnp.all(jnp.isfinite(x))``
+  per leaf, stacked and reduced;
+* ``pairs``: one two-operand reduce per leaf (jaxmp's reduce applied to each
+  leaf alone).
 
 XLA flags must be set before JAX starts, so each flag is one process::
 
@@ -35,50 +37,26 @@ import scaling  # pylint: disable=wrong-import-position
 
 overhead = scaling.overhead
 import jaxmp._src.loss_scaling as loss_scaling_module  # pylint: disable=wrong-import-position
+from jaxmp._src.loss_scale import leaf_finite_flags  # pylint: disable=wrong-import-position
 
 
-def _and(a, b):
-  return [jnp.logical_and(p, q) for p, q in zip(a, b)]
-
-
-def _variadic_all(operands, ndim):
-  """The ``isfinite`` of each operand reduced by one variadic ``lax.reduce``.
-
-  A lone operand is passed twice: XLA's tree-reduction rewriter splits a
-  one-operand reduce into a reduce-window and a reduce (skipping variadic
-  ones), and drops an unused output, so both results are used.
-  """
-  if len(operands) == 1:
-    operands = operands * 2
-  return jax.lax.reduce(operands, [jnp.array(True)] * len(operands), _and,
-                        tuple(range(ndim)))
-
-
-def _inexact_leaves(tree):
-  leaves = [jnp.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
-  return [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
-
-
-def all_finite_by_shape(tree: Any) -> jax.Array:
-  """``jaxmp.all_finite``'s decision, one variadic reduce per distinct shape."""
-  groups: dict[tuple[Any, Any], list[jax.Array]] = {}
-  for x in _inexact_leaves(tree):
-    groups.setdefault((x.shape, x.dtype), []).append(jnp.isfinite(x))
-  flags = [jnp.array(True)]
-  for operands in groups.values():
-    flags += _variadic_all(operands, operands[0].ndim)
-  return jnp.stack(flags).all()
+def all_finite_per_leaf(tree: Any) -> jax.Array:
+  """The check jaxmp shipped before: ``jnp.all(jnp.isfinite(x))`` per leaf."""
+  leaves = jax.tree_util.tree_leaves(tree)
+  if not leaves:
+    return jnp.array(True)
+  return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
 
 
 def all_finite_pairs(tree: Any) -> jax.Array:
   """``jaxmp.all_finite``'s decision, one two-operand reduce per leaf."""
   flags = [jnp.array(True)]
-  for x in _inexact_leaves(tree):
-    flags += _variadic_all([jnp.isfinite(x)], x.ndim)
+  for x in jax.tree_util.tree_leaves(tree):
+    flags += leaf_finite_flags([x])
   return jnp.stack(flags).all()
 
 
-FORMS = {"per-leaf": loss_scaling_module.all_finite, "by-shape": all_finite_by_shape,
+FORMS = {"per-leaf": all_finite_per_leaf, "by-shape": loss_scaling_module.all_finite,
          "pairs": all_finite_pairs}
 
 MODELS = {
@@ -90,7 +68,7 @@ MODELS = {
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--model", choices=list(MODELS), required=True)
-  parser.add_argument("--form", choices=list(FORMS), default="per-leaf")
+  parser.add_argument("--form", choices=list(FORMS), default="by-shape")
   parser.add_argument("--label", default="default flags")
   parser.add_argument("--repeats", type=int, default=1)
   parser.add_argument("--out", default="check_forms.jsonl")

@@ -57,9 +57,12 @@ import optax
 from flax.training.dynamic_scale import DynamicScale
 from jax.experimental.compilation_cache import compilation_cache
 
-import jaxmp
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The jaxmp of this checkout, not whichever one is installed.
+sys.path.insert(0, str(ROOT))
+
+import jaxmp  # pylint: disable=wrong-import-position
+
 sys.path.insert(0, str(ROOT / "examples"))
 import train_lm  # pylint: disable=wrong-import-position
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp._src.loss_scale import at_least_float32
+from jaxmp._src.loss_scale import at_least_float32, leaf_finite_flags
 from jaxmp._src.policy import floating_dtype, is_floating_array
 
 _logger = logging.getLogger("jaxmp")
@@ -90,12 +90,12 @@ def finite_mask(tree: Any) -> Any:
     ["['b']"]
   """
 
-  def leaf_finite(x):
-    if not _is_inexact(x):
-      return jnp.ones([], jnp.bool_)
-    return jnp.all(jnp.isfinite(jnp.asarray(x)))
-
-  return jax.tree_util.tree_map(leaf_finite, tree)
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  flags = [jnp.ones([], jnp.bool_)] * len(leaves)
+  inexact = [i for i, x in enumerate(leaves) if _is_inexact(x)]
+  for i, flag in zip(inexact, leaf_finite_flags([leaves[i] for i in inexact])):
+    flags[i] = flag
+  return jax.tree_util.tree_unflatten(treedef, flags)
 
 
 def _log_nonfinite(paths: list[str], step: int | None) -> None:

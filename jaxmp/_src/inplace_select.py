@@ -13,7 +13,7 @@ produced, so everything downstream (the parameter update included) reads the
 selected value. On finite steps every value is bit-identical to the plain
 update; on skipped steps the state is the old one and the updates are
 replaced by the caller. XLA then writes each moment once, in place, as in the
-unguarded step (+0.3% temp memory, +1.0% bytes accessed: the extra read of the
+unguarded step (+0.3% temp memory, +0.5% bytes accessed: the extra read of the
 gradients by ``all_finite``).
 
 The re-evaluation relies on a few JAX internals (the jaxpr's ``Var`` and

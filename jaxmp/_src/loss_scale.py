@@ -554,7 +554,9 @@ def all_finite(tree: Any) -> jax.Array:
   An empty tree (``{}``, ``None``) is finite. A complex value is finite when
   both its real and imaginary parts are; integer and bool leaves are always
   finite. Works under ``jit``; under ``jit`` with sharded arrays the
-  reduction is global (XLA inserts the all-reduce).
+  reduction is global (XLA inserts the all-reduce). The leaves of one shape
+  and dtype are reduced together, in one pass that reads each leaf once and
+  writes no intermediate mask.
 
   Example:
     >>> import jax.numpy as jnp, jaxmp
@@ -563,11 +565,66 @@ def all_finite(tree: Any) -> jax.Array:
     >>> bool(jaxmp.all_finite({}))
     True
   """
-  leaves = jax.tree_util.tree_leaves(tree)
-  if not leaves:
+  flags = leaf_finite_flags(jax.tree_util.tree_leaves(tree))
+  if not flags:
     return jnp.array(True)
-  flags = [jnp.all(jnp.isfinite(x)) for x in leaves]
   return jnp.stack(flags).all()
+
+
+# The most leaves one variadic reduce of the check takes. XLA:CPU compiles
+# the fusion of a variadic reduce in a time that grows faster than its
+# operands: 1000 leaves of one shape in one reduce took 163 CPU s to compile,
+# in reduces of 64 or 32 leaves 4.5 and 4.0 s. 64 keeps the largest groups of
+# the benchmark transformers (33 leaves at 4M parameters, 62 at 30M) whole.
+_MAX_REDUCE_OPERANDS = 64
+
+
+def _and_each(accumulated, values):
+  return [jnp.logical_and(a, v) for a, v in zip(accumulated, values)]
+
+
+def leaf_finite_flags(leaves: list[Any]) -> list[jax.Array]:
+  """A scalar bool per leaf: true iff the leaf holds no inf or nan.
+
+  Integer and bool leaves are always finite (``jnp.isfinite`` of them is
+  true). The floating leaves are grouped by shape and dtype, and the
+  ``isfinite`` of each group's leaves (at most 64 at a time) is reduced by
+  one variadic ``lax.reduce``: XLA:CPU's tree-reduction rewriter splits a
+  one-operand reduce over more than 32 elements into a reduce-window and a
+  reduce, with the ``isfinite`` mask written to memory between them, and it
+  leaves a variadic reduce alone, which reads each leaf once and writes only
+  the flags. A lone leaf is reduced as two operands, both results used (XLA
+  drops an unused output, and a one-operand reduce is not variadic).
+
+  Args:
+    leaves: a list of arrays (or numbers), e.g. a pytree's leaves.
+
+  Returns:
+    A list of scalar bool arrays, one per leaf, in the order of ``leaves``.
+  """
+  flags: list[jax.Array | None] = [None] * len(leaves)
+  groups: dict[tuple[Any, Any], list[int]] = {}
+  arrays = [jnp.asarray(x) for x in leaves]
+  for i, x in enumerate(arrays):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      groups.setdefault((x.shape, x.dtype), []).append(i)
+    else:
+      flags[i] = jnp.ones([], jnp.bool_)
+  chunks = [(shape, indices[start:start + _MAX_REDUCE_OPERANDS])
+            for (shape, _), indices in groups.items()
+            for start in range(0, len(indices), _MAX_REDUCE_OPERANDS)]
+  for shape, indices in chunks:
+    operands = [jnp.isfinite(arrays[i]) for i in indices]
+    lone = len(operands) == 1
+    if lone:
+      operands = operands * 2
+    reduced = jax.lax.reduce(operands, [np.bool_(True)] * len(operands),
+                             _and_each, tuple(range(len(shape))))
+    if lone:
+      reduced = [jnp.logical_and(*reduced)]
+    for i, flag in zip(indices, reduced):
+      flags[i] = flag
+  return flags
 
 
 def select_tree(pred: Any, a: T, b: T) -> T:
