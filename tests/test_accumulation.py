@@ -218,6 +218,7 @@ def _scaling_benchmark():
   return importlib.import_module("scaling")
 
 
+@pytest.mark.integration  # the scaling benchmark's figures, from XLA's dumps
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["no clip", "clip"])
 def test_accumulation_costs_no_more_than_optax_multisteps(clip):
   scaling = _scaling_benchmark()

@@ -676,6 +676,7 @@ def test_vmap_and_sharded_jit():
 # -- The benchmark and the docs ----------------------------------------------------
 
 
+@pytest.mark.integration  # the benchmark's reduced transformer, compiled
 def test_the_benchmark_meets_the_bytes_goal_in_a_reduced_configuration():
   sys.path.insert(0, str(ROOT / "benchmarks"))
   import autocast as benchmark  # pylint: disable=import-outside-toplevel

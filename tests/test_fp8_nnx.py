@@ -352,6 +352,7 @@ def _lm_losses(policy, steps, seed=0):
 @pytest.mark.standard_promotion(
     reason="jax.nn.dot_product_attention, which nnx.MultiHeadAttention calls, "
     "promotes its bfloat16 logits to float32")
+@pytest.mark.integration  # trains a byte-level model
 def test_nnx_fp8_loss_stays_within_tolerance_of_bf16():
   """30 Adam steps of a tiny NNX byte model (its 7 matmul layers in FP8) on
   this file's bytes: the mean loss of the last 10 steps. Measured (seed 0,

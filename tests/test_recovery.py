@@ -453,6 +453,7 @@ def _benchmark():
   return importlib.import_module("recovery")
 
 
+@pytest.mark.integration  # the benchmark's reduced transformer, compiled
 @pytest.mark.standard_promotion(
     reason="the benchmark transformer is examples/train_lm.py's model, whose "
            "float16 attention meets Flax's float32 softmax (as in the demo)")
@@ -473,6 +474,7 @@ def test_a_finite_step_with_recovery_costs_within_half_a_percent_of_plain():
     assert figures["recovering_step"][key] <= 1.005 * figures["plain"][key], key
 
 
+@pytest.mark.integration  # the benchmark's reduced transformer, compiled
 @pytest.mark.standard_promotion(
     reason="the benchmark transformer is examples/train_lm.py's model, whose "
            "float16 attention meets Flax's float32 softmax (as in the demo)")
