@@ -42,7 +42,6 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -67,18 +66,6 @@ VARIANTS = (REFERENCE, TARGET, AUTOCAST, "dtype=bfloat16 modules", "float32")
 BYTES_TARGET = 1.02
 
 
-def make_step(loss_fn: Callable[..., Any], tx: optax.GradientTransformation):
-  """A train step ``(state, batch) -> (state, loss)``, state = (params, opt_state)."""
-
-  def step(state, batch):
-    params, opt_state = state
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), loss
-
-  return step
-
-
 def make_variants(args: argparse.Namespace, names=VARIANTS):
   """The steps named ``names``, their initial states (one params tree), a batch."""
   mixed = jaxmp.get_policy("mixed_bfloat16")
@@ -98,7 +85,7 @@ def make_variants(args: argparse.Namespace, names=VARIANTS):
       "dtype=bfloat16 modules": lambda: train_lm.make_loss_fn(declared, float32),
       "float32": lambda: train_lm.make_loss_fn(model, float32),
   }
-  steps = {name: make_step(losses[name](), tx) for name in names}
+  steps = {name: overhead.optax_step(losses[name](), tx) for name in names}
   states = {name: (overhead.copy_tree(params), tx.init(params)) for name in names}
   return steps, states, batch, params
 
@@ -269,8 +256,7 @@ def markdown(results: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
   parser = overhead.model_parser(__doc__, rounds=10)
   parser.add_argument("--compile-repeats", type=int, default=3)
-  parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
-                      help="directory for autocast.md and autocast.json")
+  overhead.add_out_argument(parser, "autocast")
   return parser
 
 

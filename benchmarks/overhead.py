@@ -78,6 +78,27 @@ class Variant(NamedTuple):
   step: Callable[[Any, Any], tuple[Any, Any]]
 
 
+def clipped_adamw(learning_rate: float, clip_global_norm: float | None):
+  """``optax.adamw``, after ``optax.clip_by_global_norm`` when a norm is given."""
+  if clip_global_norm is None:
+    return optax.adamw(learning_rate)
+  return optax.chain(optax.clip_by_global_norm(clip_global_norm),
+                     optax.adamw(learning_rate))
+
+
+def optax_step(loss_fn, tx):
+  """The unguarded train step of ``tx``: ``(params, opt_state), batch`` to
+  ``(params, opt_state), loss``."""
+
+  def step(state, batch):
+    params, opt_state = state
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), loss
+
+  return step
+
+
 def make_variants(loss_fn, learning_rate: float = 1e-3,
                   clip_global_norm: float | None = None) -> list[Variant]:
   """The five train steps; each maps ``(state, batch)`` to ``(state, loss)``.
@@ -88,10 +109,7 @@ def make_variants(loss_fn, learning_rate: float = 1e-3,
   """
 
   def adamw():
-    if clip_global_norm is None:
-      return optax.adamw(learning_rate)
-    return optax.chain(optax.clip_by_global_norm(clip_global_norm),
-                       optax.adamw(learning_rate))
+    return clipped_adamw(learning_rate, clip_global_norm)
 
   # 1. No guard.
   plain = adamw()
@@ -99,11 +117,7 @@ def make_variants(loss_fn, learning_rate: float = 1e-3,
   def unguarded_init(params):
     return params, plain.init(params)
 
-  def unguarded_step(state, batch):
-    params, opt_state = state
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = plain.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), loss
+  unguarded_step = optax_step(loss_fn, plain)
 
   # 2. jaxmp.
   guarded = jaxmp.loss_scaling(
@@ -511,6 +525,12 @@ def model_parser(doc: str, rounds: int) -> argparse.ArgumentParser:
   return parser
 
 
+def add_out_argument(parser: argparse.ArgumentParser, name: str) -> None:
+  """``--out``: the directory for ``<name>.md`` and ``<name>.json``."""
+  parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
+                      help=f"directory for {name}.md and {name}.json")
+
+
 def write_results(out: str, name: str, results: dict[str, Any], table: str) -> None:
   """Writes ``name.json`` and ``name.md`` into ``out`` and prints the table."""
   path = pathlib.Path(out)
@@ -523,8 +543,7 @@ def write_results(out: str, name: str, results: dict[str, Any], table: str) -> N
 def build_parser() -> argparse.ArgumentParser:
   parser = model_parser(__doc__, rounds=15)
   parser.add_argument("--compile-repeats", type=int, default=5)
-  parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
-                      help="directory for overhead.md and overhead.json")
+  add_out_argument(parser, "overhead")
   return parser
 
 

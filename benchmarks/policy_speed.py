@@ -161,8 +161,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
   parser = overhead.model_parser(__doc__, rounds=10)
-  parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
-                      help="directory for policy_speed.md and policy_speed.json")
+  overhead.add_out_argument(parser, "policy_speed")
   return parser
 
 

@@ -353,8 +353,7 @@ def build_parser():
   parser = overhead.model_parser(__doc__, rounds=5)
   parser.add_argument("--no-dump", action="store_true",
                       help="skip XLA's live-range dump (no peak live bytes)")
-  parser.add_argument("--out", default=str(overhead.ROOT / "benchmarks" / "results"),
-                      help="directory for recovery.md and recovery.json")
+  overhead.add_out_argument(parser, "recovery")
   return parser
 
 

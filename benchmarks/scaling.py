@@ -167,18 +167,10 @@ def accumulation_variants(loss_fn, k: int = MICRO_BATCHES,
   """
 
   def adamw():
-    if clip_global_norm is None:
-      return optax.adamw(LEARNING_RATE)
-    return optax.chain(optax.clip_by_global_norm(clip_global_norm),
-                       optax.adamw(LEARNING_RATE))
+    return overhead.clipped_adamw(LEARNING_RATE, clip_global_norm)
 
   plain = optax.MultiSteps(adamw(), k)
-
-  def unguarded_step(state, batch):
-    params, opt_state = state
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = plain.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), loss
+  unguarded_step = overhead.optax_step(loss_fn, plain)
 
   guarded = jaxmp.multi_steps(
       optax.adamw(LEARNING_RATE), jaxmp.DynamicLossScale(INITIAL_SCALE, period=PERIOD), k,
@@ -544,8 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "(besides 1000 leaves of one shape)")
   parser.add_argument("--repeats", type=int, default=1,
                       help="fresh compilations per variant for the compile time")
-  parser.add_argument("--out", default=str(overhead.ROOT / "benchmarks" / "results"),
-                      help="directory for scaling.md and scaling.json")
+  overhead.add_out_argument(parser, "scaling")
   return parser
 
 
