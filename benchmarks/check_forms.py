@@ -12,7 +12,16 @@ and appends them as one JSON line to ``--out``. The forms:
 * ``per-leaf`` (the check jaxmp shipped before): ``jnp.all(jnp.isfinite(x))``
   per leaf, stacked and reduced;
 * ``pairs``: one two-operand reduce per leaf (jaxmp's reduce applied to each
-  leaf alone).
+  leaf alone);
+* ``by-size``: the leaves grouped by size whatever their shape, flattened, one
+  variadic reduce per size (fewer kernels; not shipped, because flattening a
+  leaf sharded on a trailing axis makes XLA all-gather it under ``jit``);
+* ``group-flag``: ``by-shape`` with one flag per group rather than per leaf.
+
+``--forms by-shape,by-size`` measures several forms in one process, round
+robin with the unguarded step, and reports each form's median of the
+per-round compile ratios (compile times drift within a process, so ratios of
+the same round are the fairer comparison).
 
 XLA flags must be set before JAX starts, so each flag is one process::
 
@@ -23,14 +32,17 @@ XLA flags must be set before JAX starts, so each flag is one process::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
+import statistics
 import sys
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import scaling  # pylint: disable=wrong-import-position
@@ -56,8 +68,52 @@ def all_finite_pairs(tree: Any) -> jax.Array:
   return jnp.stack(flags).all()
 
 
+def all_finite_by_size(tree: Any) -> jax.Array:
+  """The leaves grouped by size, flattened, one variadic reduce per size."""
+  groups: dict[int, list[jax.Array]] = {}
+  for x in jax.tree_util.tree_leaves(tree):
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      groups.setdefault(x.size, []).append(x)
+  flags = [jnp.array(True)]
+  for leaves in groups.values():
+    for start in range(0, len(leaves), 64):
+      operands = [jnp.isfinite(x).reshape(-1) for x in leaves[start:start + 64]]
+      operands = operands * 2 if len(operands) == 1 else operands
+      flags += jax.lax.reduce(operands, [np.bool_(True)] * len(operands),
+                              lambda a, b: tuple(jnp.logical_and(x, y) for x, y in zip(a, b)),
+                              (0,))
+  return jnp.stack(flags).all()
+
+
+def all_finite_group_flag(tree: Any) -> jax.Array:
+  """``by-shape``, with one flag per group: the reducer ANDs every operand's
+  value into its first output, so the final AND takes one flag per group
+  instead of one per leaf."""
+
+  def and_into_first(accumulated, values):
+    first = functools.reduce(jnp.logical_and, values, accumulated[0])
+    return (first,) + tuple(jnp.logical_and(a, v)
+                            for a, v in zip(accumulated[1:], values[1:]))
+
+  groups: dict[Any, list[jax.Array]] = {}
+  for x in jax.tree_util.tree_leaves(tree):
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      groups.setdefault(x.shape, []).append(x)
+  flags = [jnp.array(True)]
+  for shape, leaves in groups.items():
+    for start in range(0, len(leaves), 64):
+      operands = [jnp.isfinite(x) for x in leaves[start:start + 64]]
+      operands = operands * 2 if len(operands) == 1 else operands
+      flags.append(jax.lax.reduce(operands, [np.bool_(True)] * len(operands),
+                                  and_into_first, tuple(range(len(shape))))[0])
+  return jnp.stack(flags).all()
+
+
 FORMS = {"per-leaf": all_finite_per_leaf, "by-shape": loss_scaling_module.all_finite,
-         "pairs": all_finite_pairs}
+         "pairs": all_finite_pairs, "by-size": all_finite_by_size,
+         "group-flag": all_finite_group_flag}
 
 MODELS = {
     "transformer": lambda: scaling._transformer("4M"),  # pylint: disable=protected-access
@@ -65,31 +121,56 @@ MODELS = {
 }
 
 
+def with_form(variant: scaling.Variant, form: str) -> scaling.Variant:
+  """``variant`` traced with ``form`` as ``loss_scaling``'s check."""
+
+  def step(state, batch):
+    loss_scaling_module.all_finite = FORMS[form]
+    return variant.step(state, batch)
+
+  return scaling.Variant(form, variant.init, step)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--model", choices=list(MODELS), required=True)
-  parser.add_argument("--form", choices=list(FORMS), default="by-shape")
+  parser.add_argument("--forms", default="by-shape",
+                      help="comma-separated forms, measured round robin: "
+                      + ", ".join(FORMS))
   parser.add_argument("--label", default="default flags")
   parser.add_argument("--repeats", type=int, default=1)
   parser.add_argument("--out", default="check_forms.jsonl")
   args = parser.parse_args(argv)
-  loss_scaling_module.all_finite = FORMS[args.form]
+  forms = args.forms.split(",")
+  unknown = [f for f in forms if f not in FORMS]
+  if unknown:
+    parser.error(f"unknown forms {unknown}; choose from {list(FORMS)}")
   problem = MODELS[args.model]()
+  unguarded, guarded = problem.variants[:2]
+  variants = [unguarded] + [with_form(guarded, form) for form in forms]
   figures = scaling.measure_problem(
-      scaling.Problem(problem.variants[:2], problem.params, problem.batch), args.repeats)
-  record = {"model": args.model, "form": args.form, "label": args.label,
+      scaling.Problem(variants, problem.params, problem.batch), args.repeats)
+  base = figures[unguarded.name]["compile_cpu_seconds_all"]
+  for f in figures.values():
+    f["compile_ratio_per_round"] = statistics.median(
+        x / b for x, b in zip(f["compile_cpu_seconds_all"], base))
+  record = {"model": args.model, "forms": forms, "label": args.label,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "figures": {name: {k: f[k] for k in (
                 "bytes_accessed", "temp_bytes", "kernels", "compile_seconds",
                 "compile_cpu_seconds_all", "bytes_accessed_ratio", "compile_ratio",
-                "extra_bytes_per_param")} for name, f in figures.items()}}
+                "compile_ratio_per_round", "extra_bytes_per_param")}
+                        for name, f in figures.items()}}
   with open(args.out, "a", encoding="utf-8") as out:
     out.write(json.dumps(record) + "\n")
-  g, u = figures["jaxmp"], figures["unguarded"]
-  print(f"{args.model} {args.form} [{args.label}]: unguarded {u['kernels']} kernels "
-        f"{u['compile_seconds']:.2f} s; jaxmp {g['kernels']} kernels "
-        f"{g['compile_seconds']:.2f} s ({g['compile_ratio']:.2f}x), bytes "
-        f"{(g['bytes_accessed_ratio'] - 1) * 100:+.2f}%")
+  u = figures[unguarded.name]
+  print(f"{args.model} [{args.label}]: unguarded {u['kernels']} kernels "
+        f"{u['compile_seconds']:.2f} s")
+  for form in forms:
+    g = figures[form]
+    print(f"  {form}: {g['kernels']} kernels {g['compile_seconds']:.2f} s "
+          f"({g['compile_ratio_per_round']:.2f}x per round), bytes "
+          f"{(g['bytes_accessed_ratio'] - 1) * 100:+.2f}%")
   return 0
 
 

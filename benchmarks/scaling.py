@@ -123,15 +123,23 @@ def leaves_loss(n_leaves: int, distinct: bool, n_params: int = LEAF_PARAMS):
   """A loss over ``n_leaves`` float32 leaves of ``n_params`` in all.
 
   Each leaf is ``(rows, 100)``; with ``distinct``, the rows differ by one
-  from leaf to leaf, so every leaf has a shape of its own. The loss is the
-  mean of ``tanh(w * x - y) ** 2`` over each leaf, in bfloat16: elementwise,
-  so that the optimizer and the guard are most of the step.
+  from leaf to leaf, so every leaf has a shape of its own. Where there are
+  more leaves than rows (1000 distinct shapes of 4M parameters), leaf ``i``
+  is ``(i + 1, n_params // (n_leaves * (i + 1)))`` instead, so that the
+  parameters stay ``n_params`` (rows counting up from 40 would make 54M).
+  The loss is the mean of ``tanh(w * x - y) ** 2`` over each leaf, in
+  bfloat16: elementwise, so that the optimizer and the guard are most of the
+  step.
   """
   rows = max(n_params // (100 * n_leaves), 1)
   shapes = [(rows + (i if distinct else 0), 100) for i in range(n_leaves)]
-  keys = jax.random.split(jax.random.PRNGKey(0), n_leaves)
-  params = {f"w{i:04d}": jax.random.normal(key, shape) * 0.1
-            for i, (key, shape) in enumerate(zip(keys, shapes))}
+  if distinct and n_leaves > rows:
+    per_leaf = n_params // n_leaves
+    shapes = [(i + 1, max(per_leaf // (i + 1), 1)) for i in range(n_leaves)]
+  # NumPy draws them: jax.random would compile one sampler per distinct shape.
+  rng = np.random.default_rng(0)
+  params = {f"w{i:04d}": jnp.asarray(rng.standard_normal(shape, np.float32) * 0.1)
+            for i, shape in enumerate(shapes)}
   policy = jaxmp.get_policy("mixed_bfloat16")
 
   def loss_fn(params, batch):
