@@ -50,9 +50,11 @@ import numpy as np
 import optax
 from jax.extend import core as jax_core
 
-import jaxmp
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The jaxmp of this checkout, not whichever one is installed.
+sys.path.insert(0, str(ROOT))
+import jaxmp  # pylint: disable=wrong-import-position
+
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "examples"))
 import overhead  # pylint: disable=wrong-import-position

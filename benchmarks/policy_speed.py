@@ -32,9 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxmp
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The jaxmp of this checkout, not whichever one is installed.
+sys.path.insert(0, str(ROOT))
+import jaxmp  # pylint: disable=wrong-import-position
+
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "examples"))
 import overhead  # pylint: disable=wrong-import-position

@@ -47,9 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import jaxmp
-
+# overhead puts this checkout first on the path, so jaxmp is this checkout's.
 import overhead  # pylint: disable=wrong-import-position  # benchmarks/overhead.py
+import jaxmp  # pylint: disable=wrong-import-position
 from overhead import train_lm  # the model of examples/train_lm.py
 
 INITIAL_SCALE = 2.0**10  # finite for this model in float16
