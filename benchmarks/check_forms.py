@@ -68,47 +68,47 @@ def all_finite_pairs(tree: Any) -> jax.Array:
   return jnp.stack(flags).all()
 
 
-def all_finite_by_size(tree: Any) -> jax.Array:
-  """The leaves grouped by size, flattened, one variadic reduce per size."""
-  groups: dict[int, list[jax.Array]] = {}
-  for x in jax.tree_util.tree_leaves(tree):
-    x = jnp.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-      groups.setdefault(x.size, []).append(x)
-  flags = [jnp.array(True)]
-  for leaves in groups.values():
-    for start in range(0, len(leaves), 64):
-      operands = [jnp.isfinite(x).reshape(-1) for x in leaves[start:start + 64]]
-      operands = operands * 2 if len(operands) == 1 else operands
-      flags += jax.lax.reduce(operands, [np.bool_(True)] * len(operands),
-                              lambda a, b: tuple(jnp.logical_and(x, y) for x, y in zip(a, b)),
-                              (0,))
-  return jnp.stack(flags).all()
+def _and_each(accumulated, values):
+  return tuple(jnp.logical_and(a, v) for a, v in zip(accumulated, values))
 
 
-def all_finite_group_flag(tree: Any) -> jax.Array:
-  """``by-shape``, with one flag per group: the reducer ANDs every operand's
-  value into its first output, so the final AND takes one flag per group
-  instead of one per leaf."""
+def _and_into_first(accumulated, values):
+  """ANDs every operand's value into the first output, so one output is the
+  whole group's flag."""
+  first = functools.reduce(jnp.logical_and, values, accumulated[0])
+  return (first,) + _and_each(accumulated[1:], values[1:])
 
-  def and_into_first(accumulated, values):
-    first = functools.reduce(jnp.logical_and, values, accumulated[0])
-    return (first,) + tuple(jnp.logical_and(a, v)
-                            for a, v in zip(accumulated[1:], values[1:]))
 
+def _grouped_check(tree: Any, key, flatten: bool, one_flag: bool) -> jax.Array:
+  """The floating leaves grouped by ``key(leaf)``, one variadic reduce of at
+  most 64 of a group's ``isfinite`` operands at a time (flattened first with
+  ``flatten``); with ``one_flag`` each reduce gives one flag, not one per leaf."""
   groups: dict[Any, list[jax.Array]] = {}
   for x in jax.tree_util.tree_leaves(tree):
     x = jnp.asarray(x)
     if jnp.issubdtype(x.dtype, jnp.inexact):
-      groups.setdefault(x.shape, []).append(x)
+      groups.setdefault(key(x), []).append(x)
   flags = [jnp.array(True)]
-  for shape, leaves in groups.items():
+  for leaves in groups.values():
     for start in range(0, len(leaves), 64):
       operands = [jnp.isfinite(x) for x in leaves[start:start + 64]]
+      operands = [x.reshape(-1) for x in operands] if flatten else operands
       operands = operands * 2 if len(operands) == 1 else operands
-      flags.append(jax.lax.reduce(operands, [np.bool_(True)] * len(operands),
-                                  and_into_first, tuple(range(len(shape))))[0])
+      reduced = jax.lax.reduce(operands, [np.bool_(True)] * len(operands),
+                               _and_into_first if one_flag else _and_each,
+                               tuple(range(operands[0].ndim)))
+      flags += reduced[:1] if one_flag else reduced
   return jnp.stack(flags).all()
+
+
+def all_finite_by_size(tree: Any) -> jax.Array:
+  """The leaves grouped by size, flattened, one variadic reduce per size."""
+  return _grouped_check(tree, lambda x: x.size, flatten=True, one_flag=False)
+
+
+def all_finite_group_flag(tree: Any) -> jax.Array:
+  """``by-shape``, with one flag per group instead of one per leaf."""
+  return _grouped_check(tree, lambda x: x.shape, flatten=False, one_flag=True)
 
 
 FORMS = {"per-leaf": all_finite_per_leaf, "by-shape": loss_scaling_module.all_finite,

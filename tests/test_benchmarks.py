@@ -154,3 +154,16 @@ def test_scaling_table_puts_each_setting_against_its_unguarded_step():
   assert ("| transformer 4M (4.1M params, 86 leaves) | jaxmp | +1.00% | +4.03 | "
           "+0.00% | 179 (+49) | 2.02 | 1.01× |") in table
   assert "median CPU seconds of 3 fresh traces" in table
+
+
+def test_the_forms_check_forms_measures_decide_as_all_finite_does():
+  # benchmarks/README.md compares these forms by their cost only because they
+  # take the same decisions; the table is the one of tests/test_loss_scaling.py.
+  import check_forms  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, str(ROOT / "tests"))
+  from test_loss_scaling import DECISIONS  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  forms = {name: jax.jit(form) for name, form in check_forms.FORMS.items()}
+  for case, grads, expected in DECISIONS:
+    decided = {name: bool(form(grads)) for name, form in forms.items()}
+    assert decided == dict.fromkeys(forms, expected), case
