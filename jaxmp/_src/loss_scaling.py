@@ -67,6 +67,7 @@ def check_grads_match_params(grads: Any, params: Any, owner: str) -> None:
         "update (e.g. jaxmp.scaled_value_and_grad(loss_fn, loss_scale)"
         "(params)).")
 
+
 def loss_scaling(
     inner: optax.GradientTransformation,
     loss_scale: LossScale,

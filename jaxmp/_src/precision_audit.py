@@ -31,6 +31,7 @@ import numpy as np
 from jax.extend import source_info_util
 
 from jaxmp._src.policy import parse_dtype
+from jaxmp._src.validation import listing
 
 DOT = "dot_general"
 CONV = "conv_general_dilated"
@@ -774,12 +775,8 @@ _CAUSE_TEXT = {
 }
 
 
-def _names(ops: Iterable[PrecisionOp], limit: int = 6) -> str:
-  names = list(dict.fromkeys(op.where for op in ops))
-  shown = ", ".join(names[:limit])
-  if len(names) > limit:
-    shown += f" and {len(names) - limit} more"
-  return shown
+def _names(ops: Iterable[PrecisionOp]) -> str:
+  return listing(dict.fromkeys(op.where for op in ops))
 
 
 def _warning_text(

@@ -4,13 +4,15 @@ Every public constructor and factory of jaxmp validates its configuration
 with these, so the same mistake gets the same exception class and the same
 sentence everywhere: ``TypeError`` for a value of the wrong kind (a string,
 ``None``, a bool where a number is expected), ``ValueError`` for a value of
-the right kind outside its range.
+the right kind outside its range. :func:`listing` names the items an error
+is about, the first few of them, in one wording.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -203,3 +205,15 @@ def check_state_value(
   if isinstance(value, jax.Array) and value.dtype == dtype and not value.weak_type:
     return value
   return np.asarray(number, dtype)
+
+
+def listing(items: Iterable[str], separator: str = ", ", shown: int = 6) -> str:
+  """The first ``shown`` items joined by ``separator``, then "and N more".
+
+  Example:
+    >>> listing(["a", "b", "c"], shown=2)
+    'a, b and 1 more'
+  """
+  items = list(items)
+  text = separator.join(items[:shown])
+  return text + (f" and {len(items) - shown} more" if len(items) > shown else "")

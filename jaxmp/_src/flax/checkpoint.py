@@ -26,14 +26,13 @@ import jax
 from jaxmp._src.flax.fallback import fallback_config, resume_target
 from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.loss_scaling import LossScalingState, _find_states
+from jaxmp._src.validation import listing
 
 # The items of a checkpoint written by save_checkpoint (orbax subdirectories).
 _STATE = "state"
 _CONFIG = "jaxmp_config"
 # The key of the configuration that holds a PrecisionFallback's state.
 _FALLBACK = "precision_fallback"
-# How many differing paths an error lists.
-_SHOWN = 6
 
 
 def _is_nnx_node(x: Any) -> bool:
@@ -115,22 +114,7 @@ def _checkpointer():
 
 def _path(key_path: tuple[Any, ...]) -> str:
   """``opt_state/inner_state/0/mu/kernel``: a key path as orbax names it."""
-  names = []
-  for key in key_path:
-    for attribute in ("key", "idx", "name"):
-      if hasattr(key, attribute):
-        names.append(str(getattr(key, attribute)))
-        break
-    else:
-      names.append(str(key))
-  return "/".join(names)
-
-
-def _listing(paths: list[str], separator: str = ", ") -> str:
-  shown = separator.join(paths[:_SHOWN])
-  if len(paths) > _SHOWN:
-    shown += f" and {len(paths) - _SHOWN} more"
-  return shown
+  return jax.tree_util.keystr(key_path, simple=True, separator="/")
 
 
 def _check_arrays(directory: pathlib.Path, items: Any) -> None:
@@ -156,9 +140,9 @@ def _check_arrays(directory: pathlib.Path, items: Any) -> None:
   if only_saved or only_target:
     parts = []
     if only_saved:
-      parts.append(f"only in the checkpoint: {_listing(only_saved)}")
+      parts.append(f"only in the checkpoint: {listing(only_saved)}")
     if only_target:
-      parts.append(f"only in the target: {_listing(only_target)}")
+      parts.append(f"only in the target: {listing(only_target)}")
     raise ValueError(
         "restore_checkpoint: the checkpoint and the target hold different "
         f"arrays ({'; '.join(parts)}), so it was saved for another model or "
@@ -177,7 +161,7 @@ def _check_arrays(directory: pathlib.Path, items: Any) -> None:
   if shapes:
     raise ValueError(
         "restore_checkpoint: the arrays of the checkpoint and of the target "
-        f"have different shapes ({_listing(shapes, '; ')}), so it was saved for a "
+        f"have different shapes ({listing(shapes, '; ')}), so it was saved for a "
         "model of another size. Build the target with the model "
         "configuration that wrote it (layer sizes, vocabulary, batch "
         "dimensions of the state)."
@@ -200,7 +184,7 @@ def _kind_of_checkpoint(directory: pathlib.Path) -> str:
       f"restore_checkpoint: {directory} is not a checkpoint written by "
       "jaxmp.flax.save_checkpoint or by orbax (it has no "
       f"'{_STATE}' and '{_CONFIG}' items and no orbax metadata; its entries: "
-      f"{_listing(sorted(p.name for p in directory.iterdir())) or 'none'}). "
+      f"{listing(sorted(p.name for p in directory.iterdir())) or 'none'}). "
       "Pass the directory of one checkpoint (e.g. .../step_1000), not its "
       "parent."
   )

@@ -38,6 +38,7 @@ from jaxmp._src.flax.module_policy import ModulePolicy, runs_fp8
 from jaxmp._src.flax.train_state import TrainState
 from jaxmp._src.path_policy import PathPolicy
 from jaxmp._src.policy import Fp8Policy, Policy, WrappedApply, get_policy
+from jaxmp._src.validation import listing
 
 
 def _check_storage_dtypes(params: Any, policy: Any) -> None:
@@ -94,11 +95,6 @@ def _switch_train_state(state: TrainState, policy: Any, loss_scale: Any,
                        tx=tx, opt_state=opt_state, fp8_meta=fp8_meta)
 
 
-def _listing(paths: list[str], shown: int = 6) -> str:
-  text = ", ".join(repr(p) for p in paths[:shown])
-  return text + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
-
-
 def _as_module_policy(policy: Any) -> ModulePolicy:
   if isinstance(policy, ModulePolicy):
     return policy
@@ -146,7 +142,7 @@ def _switch_nnx(optimizer: Any, policy: Any, loss_scale: Any, model: Any) -> Any
   if dropped:
     warnings.warn(
         f"switch_precision: the policy {policy} runs {len(dropped)} layer(s) "
-        f"that had FP8 matmuls without them ({_listing(dropped)}): their FP8 "
+        f"that had FP8 matmuls without them ({listing(repr(p) for p in dropped)}): their FP8 "
         "ops, and the jaxmp.flax.Fp8Meta in them, are removed from the model, "
         "which computes those matmuls in the new policy's dtype.",
         UserWarning, stacklevel=3)
