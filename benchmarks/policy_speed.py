@@ -71,7 +71,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
       state = (params, tx.init(params))
       step = train_lm.make_train_step(train_lm.make_loss_fn(model, policy), tx)
     started = time.perf_counter()
-    compiled = step.lower(*state, batch).compile()
+    compiled = step.lower(*state, batch).compile(
+        compiler_options=overhead.DEFAULT_CODEGEN)
     figures[name] = overhead.compiler_figures(compiled)
     figures[name]["compile_seconds"] = time.perf_counter() - started
     figures[name]["policy"] = str(policy)

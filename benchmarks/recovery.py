@@ -186,7 +186,7 @@ def peak_live_bytes(step, state, batch) -> int | None:
   try:
     with tempfile.TemporaryDirectory() as tmp:
       jax.jit(dumped_step, donate_argnums=(0,)).lower(state, batch).compile(
-          compiler_options={"xla_dump_to": tmp})
+          compiler_options={"xla_dump_to": tmp, **overhead.DEFAULT_CODEGEN})
       return _peak_from_dump(pathlib.Path(tmp))
   finally:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", minimum)

@@ -7,7 +7,16 @@
   policies keep in float32); ``classification_batch`` feeds them.
 
 Each file's own models stay in that file when only it uses them.
+
+And two helpers for the tests that use the benchmarks: ``benchmark(name)``
+imports ``benchmarks/<name>.py``, and ``DEFAULT_CODEGEN`` is the benchmarks'
+compiler options for XLA's default code generator, which a test passes where
+it asserts the compiler's figures (see conftest.py).
 """
+
+import importlib
+import pathlib
+import sys
 
 import flax.linen as nn
 import jax
@@ -18,6 +27,18 @@ from flax import nnx
 import jaxmp
 
 FLOAT32 = jaxmp.get_policy("float32")
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def benchmark(name):
+  """The module ``benchmarks/<name>.py``, imported as the benchmarks import
+  each other (their folder on ``sys.path``)."""
+  if str(BENCHMARKS) not in sys.path:
+    sys.path.insert(0, str(BENCHMARKS))
+  return importlib.import_module(name)
+
+
+DEFAULT_CODEGEN = benchmark("overhead").DEFAULT_CODEGEN
 
 
 # ---------------------------------------------------------------------------

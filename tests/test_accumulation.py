@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jaxmp
-from models import init_mlp, make_batch, mse
+from models import benchmark, init_mlp, make_batch, mse
 
 K = 4
 
@@ -208,14 +208,7 @@ KERNELS_OF_THE_SCALE = 2
 
 
 def _scaling_benchmark():
-  import importlib  # pylint: disable=import-outside-toplevel
-  import pathlib  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
-
-  benchmarks = str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks")
-  if benchmarks not in sys.path:
-    sys.path.insert(0, benchmarks)
-  return importlib.import_module("scaling")
+  return benchmark("scaling")
 
 
 @pytest.mark.integration  # the scaling benchmark's figures, from XLA's dumps

@@ -9,7 +9,6 @@ hardware multiplies.
 import functools
 import pathlib
 import re
-import sys
 
 import chex
 import equinox as eqx
@@ -24,6 +23,7 @@ from jax.extend import core as jax_core
 
 import jaxmp
 import jaxmp.flax
+import models
 
 BF16 = np.dtype(jnp.bfloat16)
 F16 = np.dtype(jnp.float16)
@@ -678,8 +678,7 @@ def test_vmap_and_sharded_jit():
 
 @pytest.mark.integration  # the benchmark's reduced transformer, compiled
 def test_the_benchmark_meets_the_bytes_goal_in_a_reduced_configuration():
-  sys.path.insert(0, str(ROOT / "benchmarks"))
-  import autocast as benchmark  # pylint: disable=import-outside-toplevel
+  benchmark = models.benchmark("autocast")
 
   args = benchmark.build_parser().parse_args([
       "--d-model", "128", "--layers", "1", "--heads", "4", "--seq-len", "128",

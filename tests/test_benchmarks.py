@@ -11,11 +11,12 @@ import sys
 
 import pytest
 
+from models import benchmark
+
 pytestmark = pytest.mark.integration
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import policy_speed
+policy_speed = benchmark("policy_speed")
 
 VARIANTS = ["unguarded", "jaxmp", "jmp manual", "optax.apply_if_finite",
             "flax DynamicScale"]
@@ -106,7 +107,7 @@ def test_policy_speed_table_says_cpu_only():
 
 
 def test_overhead_table_names_an_accelerator():
-  import overhead  # pylint: disable=import-outside-toplevel
+  overhead = benchmark("overhead")
 
   def figures(ratio, kernels):
     return {"time_ratio": ratio, "temp_ratio": ratio, "peak_live_ratio": None,
@@ -135,7 +136,7 @@ def test_overhead_table_names_an_accelerator():
 
 
 def test_scaling_table_puts_each_setting_against_its_unguarded_step():
-  import scaling  # pylint: disable=import-outside-toplevel
+  scaling = benchmark("scaling")
 
   def figures(ratio, kernels, extra):
     return {"bytes_accessed_ratio": ratio, "temp_ratio": 1.0, "kernels": kernels,
@@ -159,8 +160,7 @@ def test_scaling_table_puts_each_setting_against_its_unguarded_step():
 def test_the_forms_check_forms_measures_decide_as_all_finite_does():
   # benchmarks/README.md compares these forms by their cost only because they
   # take the same decisions; the table is the one of tests/test_loss_scaling.py.
-  import check_forms  # pylint: disable=import-outside-toplevel
-  sys.path.insert(0, str(ROOT / "tests"))
+  check_forms = benchmark("check_forms")
   from test_loss_scaling import DECISIONS  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
   forms = {name: jax.jit(form) for name, form in check_forms.FORMS.items()}

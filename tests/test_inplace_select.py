@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import jaxmp
 from jaxmp._src import inplace_select
 from jaxmp._src.inplace_select import update_or_keep
+from models import DEFAULT_CODEGEN, benchmark
 
 
 def _with_odd_state():
@@ -57,6 +58,11 @@ OPTIMIZERS = {
 }
 
 
+# What this file asserts of the in-place select (no copies, the same bits as
+# the plain select's program) is asserted of XLA's default code generator.
+default_jit = functools.partial(jax.jit, compiler_options=DEFAULT_CODEGEN)
+
+
 def _inputs():
   params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.array([0.5, -0.0])}
   grads = {"w": jnp.full((2, 3), 0.25), "b": jnp.array([-1.0, 2.0])}
@@ -82,7 +88,7 @@ def test_finite_and_skipped_steps(name, jit):
 
   plain = tx.update
   if jit:
-    fold, plain = jax.jit(fold), jax.jit(plain)
+    fold, plain = default_jit(fold), default_jit(plain)
   expected_updates, expected_state = plain(grads, state, params)
   updates, new_state = fold(jnp.array(True), grads, state, params)
   chex.assert_trees_all_equal(updates, expected_updates)
@@ -132,7 +138,7 @@ def test_jitted_step_writes_each_moment_once():
     return optax.apply_updates(params, updates), state
 
   grads = jax.tree_util.tree_map(lambda p: 0.5 * p, params)
-  compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+  compiled = default_jit(step, donate_argnums=(0, 1)).lower(
       params, tx.init(params), grads).compile()
   entry = compiled.as_text().split("ENTRY")[1]
   assert " copy(" not in entry
@@ -153,7 +159,7 @@ def _guarded_run(name):
   """A fresh jitted step of the wrapped optimizer: a finite, then a skipped step."""
   tx = jaxmp.loss_scaling(SWITCH_OPTIMIZERS[name](), jaxmp.DynamicLossScale(2.0**4))
 
-  @jax.jit
+  @default_jit
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
     return updates, optax.apply_updates(params, updates), state
@@ -193,7 +199,7 @@ def test_the_switch_selects_the_select(monkeypatch):
       updates, state = update_or_keep(tx.update, finite, grads, state, params)
       return optax.apply_updates(params, updates), state
 
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+    compiled = default_jit(step, donate_argnums=(0, 1)).lower(
         params, tx.init(params), grads).compile()
     return compiled.as_text().split("ENTRY")[1].count(" copy(")
 
@@ -228,7 +234,7 @@ def _zero_style_step(name, mesh):
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  step = jax.jit(jax.shard_map(
+  step = default_jit(jax.shard_map(
       body, mesh=mesh, in_specs=(sharded(params), sharded(state), P()),
       out_specs=(sharded(params), sharded(state))), donate_argnums=(0, 1))
   return step, params, state
@@ -277,20 +283,15 @@ def test_a_zero_style_transformer_keeps_its_sharded_moments_in_place():
   # small transformer: params, gradients and Adam's moments sharded over 8
   # devices inside shard_map, the params gathered for the forward pass.
   import argparse  # pylint: disable=import-outside-toplevel
-  import pathlib  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
 
-  benchmarks = str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks")
-  if benchmarks not in sys.path:
-    sys.path.insert(0, benchmarks)
-  import scaling  # pylint: disable=import-outside-toplevel
+  scaling = benchmark("scaling")
 
   args = argparse.Namespace(d_model=32, layers=1, heads=2, seq_len=8, batch_size=8)
   loss_fn, params = scaling.overhead.bf16_loss_fn(args)
   batch = jnp.zeros((8, 9), jnp.int32)
   figures = {}
   for variant in scaling.zero_variants(loss_fn):
-    compiled = jax.jit(variant.step, donate_argnums=(0,)).lower(
+    compiled = scaling.overhead.jit_step(variant.step).lower(
         variant.init(params), batch).compile()
     figures[variant.name] = dict(scaling.overhead.compiler_figures(compiled),
                                  copies=scaling.state_copies(compiled))

@@ -18,6 +18,7 @@ import optax
 import pytest
 
 import jaxmp
+from models import DEFAULT_CODEGEN
 
 F32_MAX = float(np.finfo(np.float32).max)
 F32_TINY = 2.0**-126
@@ -710,7 +711,7 @@ def test_all_finite_reads_each_leaf_once_and_writes_no_mask():
   # XLA:CPU splits a one-operand reduce of more than 32 elements into a
   # reduce-window and a reduce, and writes the isfinite mask between them.
   tree = _mixed_tree()
-  compiled = jax.jit(jaxmp.all_finite).lower(tree).compile()
+  compiled = jax.jit(jaxmp.all_finite, compiler_options=DEFAULT_CODEGEN).lower(tree).compile()
   assert "reduce-window" not in compiled.as_text()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -730,7 +731,7 @@ def test_all_finite_of_many_leaves_of_one_shape_reduces_them_in_bounded_groups()
     broken = list(leaves)
     broken[i] = broken[i].at[5].set(jnp.nan)
     assert not bool(all_finite(broken)), i
-  text = all_finite.lower(leaves).compile().as_text()
+  text = all_finite.lower(leaves).compile(compiler_options=DEFAULT_CODEGEN).as_text()
   assert "reduce-window" not in text
   operands = [line.split(" reduce(", 1)[1].split(")", 1)[0].count("%")
               for line in text.splitlines() if " reduce(" in line]

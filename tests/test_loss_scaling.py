@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import jaxmp
-from models import init_mlp, make_batch, mlp, mse, poison
+from models import DEFAULT_CODEGEN, init_mlp, make_batch, mlp, mse, poison
 
 
 def inner_optimizer():
@@ -565,7 +565,8 @@ def test_guard_false_runs_the_bare_update():
 
 
 def _compiled_bytes(step, state, batch):
-  compiled = jax.jit(step, donate_argnums=0).lower(state, batch).compile()
+  compiled = jax.jit(step, donate_argnums=0, compiler_options=DEFAULT_CODEGEN).lower(
+      state, batch).compile()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   return float(cost["bytes accessed"])

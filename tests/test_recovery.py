@@ -11,6 +11,7 @@ import pytest
 
 import jaxmp
 import jaxmp.flax
+from models import benchmark
 
 F16 = jnp.float16
 # The fp16 backward pass computes scale * x * cos(w): with x = 6 it is over
@@ -443,14 +444,7 @@ def test_axis_name_reduces_the_flag_over_shard_map():
 
 
 def _benchmark():
-  import importlib
-  import pathlib
-  import sys
-
-  benchmarks = str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks")
-  if benchmarks not in sys.path:
-    sys.path.insert(0, benchmarks)
-  return importlib.import_module("recovery")
+  return benchmark("recovery")
 
 
 @pytest.mark.integration  # the benchmark's reduced transformer, compiled

@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxmp
+from models import DEFAULT_CODEGEN
 
 AXES = ("data", "fsdp")
 # Parameters sharded over both mesh axes (data-parallel plus FSDP-style).
@@ -252,8 +253,8 @@ def test_all_finite_of_sharded_leaves_moves_only_flags(mesh):
   shardings = {"a": P(None, "fsdp"), "b": P("data", "fsdp"), "c": P(None, "data", "fsdp")}
   tree = {"a": jnp.ones((8, 64)), "b": jnp.ones((64, 8)), "c": jnp.ones((2, 8, 16))}
   tree = {k: jax.device_put(v, NamedSharding(mesh, shardings[k])) for k, v in tree.items()}
-  compiled = jax.jit(lambda t: jaxmp.all_finite(jax.tree.map(lambda x: x * 2, t))
-                     ).lower(tree).compile()
+  compiled = jax.jit(lambda t: jaxmp.all_finite(jax.tree.map(lambda x: x * 2, t)),
+                     compiler_options=DEFAULT_CODEGEN).lower(tree).compile()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   local = sum(x.addressable_shards[0].data.nbytes for x in tree.values())
