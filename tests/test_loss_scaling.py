@@ -1,5 +1,6 @@
 """Tests of the optax wrapper loss_scaling, its state lookup, metrics and checks."""
 
+import functools
 import re
 import warnings
 
@@ -468,6 +469,28 @@ def _decision_table():
 DECISIONS = _decision_table()
 
 
+@functools.cache
+def _updates():
+  """The updates whose flag is a form of the check, each built and jitted once
+  for the whole table (its trees share six signatures, so a jitted update
+  compiles six times, not once per case): name -> (optimizer, micro-batches
+  per step, update, jitted update)."""
+  updates = {}
+  for clip in (None, 1.0):
+    tx = jaxmp.loss_scaling(optax.sgd(1.0), jaxmp.NoOpLossScale(),
+                            clip_global_norm=clip)
+    updates[f"loss_scaling clip={clip}"] = (tx, 1, tx.update, jax.jit(tx.update))
+    for k in (1, 2):
+      accumulate = jaxmp.multi_steps(optax.sgd(1.0), jaxmp.NoOpLossScale(), k,
+                                     clip_global_norm=clip)
+      updates[f"multi_steps k={k} clip={clip}"] = (
+          accumulate, k, accumulate.update, jax.jit(accumulate.update))
+  return updates
+
+
+ALL_FINITE_JITTED = jax.jit(jaxmp.all_finite)
+
+
 def _forms_of_the_check(grads):
   """The flag of every form of the check: all_finite, the update's flag
   without clipping and with clipping (the norm's flag), and multi_steps' flag
@@ -475,26 +498,17 @@ def _forms_of_the_check(grads):
   zeros in a second), jitted or not."""
   flags = {
       "all_finite": jaxmp.all_finite(grads),
-      "all_finite jitted": jax.jit(jaxmp.all_finite)(grads),
+      "all_finite jitted": ALL_FINITE_JITTED(grads),
   }
   params = jax.tree_util.tree_map(jnp.zeros_like, grads)
-  for clip in (None, 1.0):
-    tx = jaxmp.loss_scaling(optax.sgd(1.0), jaxmp.NoOpLossScale(),
-                            clip_global_norm=clip)
-    for jitted in (False, True):
-      update = jax.jit(tx.update) if jitted else tx.update
-      _, state = update(grads, tx.init(params), params)
-      flags[f"loss_scaling clip={clip} jit={jitted}"] = state.last_finite
-    for k in (1, 2):
-      accumulate = jaxmp.multi_steps(optax.sgd(1.0), jaxmp.NoOpLossScale(), k,
-                                     clip_global_norm=clip)
-      for jitted in (False, True):
-        update = jax.jit(accumulate.update) if jitted else accumulate.update
-        state = accumulate.init(params)
-        for micro_batch in [grads] + [params] * (k - 1):
-          _, state = update(micro_batch, state, params)
-        flags[f"multi_steps k={k} clip={clip} jit={jitted}"] = (
-            state.inner_opt_state.last_finite)
+  for name, (tx, k, update, jitted_update) in _updates().items():
+    for jitted, run in ((False, update), (True, jitted_update)):
+      state = tx.init(params)
+      for micro_batch in [grads] + [params] * (k - 1):
+        _, state = run(micro_batch, state, params)
+      if name.startswith("multi_steps"):
+        state = state.inner_opt_state
+      flags[f"{name} jit={jitted}"] = state.last_finite
   return {name: bool(flag) for name, flag in flags.items()}
 
 
@@ -502,8 +516,8 @@ def _forms_of_the_check(grads):
                          ids=[c[0] for c in DECISIONS])
 def test_every_form_of_the_check_decides_alike(name, grads, expected):
   del name
-  assert _forms_of_the_check(grads) == dict.fromkeys(
-      _forms_of_the_check(grads), expected)
+  flags = _forms_of_the_check(grads)
+  assert flags == dict.fromkeys(flags, expected)
 
 
 def test_clip_global_norm_clips_as_optax_does():
