@@ -38,7 +38,7 @@ bench: $(VENV)/.installed-examples
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
 
-# The unit tier and the doctests, about 1.5 minutes on two cores once JAX's
+# The unit tier and the doctests, about a minute on two cores once JAX's
 # compilation cache (.pytest_cache/jax-compilation-cache) is warm: run it
 # before every commit.
 test-fast: $(VENV)/.installed-test
