@@ -22,8 +22,9 @@ jaxmp, so both run alike:
   memory, copies, kernel count), or that two different programs give the same
   bits, compiles with XLA's default code generator: it passes
   ``compiler_options=DEFAULT_CODEGEN`` (``tests/models.py``), as every
-  compilation of the benchmarks does. Results can differ from a default compilation in the last
-  bits, so the tests compare only results computed under the same settings;
+  compilation of the benchmarks does. Results can differ from a default
+  compilation in the last bits, so the tests compare only results computed
+  under the same settings;
 * strict dtype promotion (``jax_numpy_dtype_promotion="strict"``): an
   operation that mixes dtypes, such as a float16 array times a float32 one,
   raises instead of silently upcasting. jaxmp, the tests, the docstring
