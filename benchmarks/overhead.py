@@ -256,7 +256,13 @@ def compiler_figures(compiled) -> dict[str, float]:
 
 
 def dump_figures(step, state, batch) -> dict[str, int | None]:
-  """Peak live bytes and kernel count, read from XLA's dump of one compilation.
+  """Peak live bytes and kernel count: ``compile_dumped(...)[1]``."""
+  return compile_dumped(step, state, batch)[1]
+
+
+def compile_dumped(step, state, batch):
+  """``step`` compiled once more, with XLA's dump, and the peak live bytes
+  and kernel count read from the dump.
 
   ``temp_bytes`` is the size of the one block XLA packs every temporary buffer
   into, so it moves with how well the buffers happen to pack. The live-range
@@ -278,7 +284,7 @@ def dump_figures(step, state, batch) -> dict[str, int | None]:
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()
     try:
-      jitted.lower(state, batch).compile(compiler_options={"xla_dump_to": tmp})
+      compiled = jitted.lower(state, batch).compile(compiler_options={"xla_dump_to": tmp})
     finally:
       jax.config.update("jax_enable_compilation_cache", cache_was_on)
       compilation_cache.reset_cache()
@@ -287,7 +293,7 @@ def dump_figures(step, state, batch) -> dict[str, int | None]:
     # Kernel modules are dumped as LLVM IR by the CPU back end only.
     kernels = len(list(dump.glob("*.ir-no-opt.ll"))) if on_cpu else None
     if not live_ranges and not on_cpu:
-      return {"peak_live_bytes": None, "kernels": kernels}
+      return compiled, {"peak_live_bytes": None, "kernels": kernels}
     if len(live_ranges) != 1:
       raise RuntimeError(
           "benchmarks/overhead.py expected XLA to dump one live-range file for "
@@ -300,7 +306,7 @@ def dump_figures(step, state, batch) -> dict[str, int | None]:
     raise RuntimeError(
         f"{live_ranges[0].name} has no 'Live ranges at ... (peak)' section; "
         "update dump_figures() to this XLA version's dump format.")
-  return {"peak_live_bytes": max(cumulative), "kernels": kernels}
+  return compiled, {"peak_live_bytes": max(cumulative), "kernels": kernels}
 
 
 def copy_tree(tree):
@@ -390,13 +396,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
       compiled_steps[variant.name] = compiled
   for variant in variants:
     name = variant.name
+    dumped, dump = compile_dumped(variant.step, states[name], batch)
+    # Untimed (--compile-repeats 0, as the tests run it), the dumped
+    # compilation is the one that runs the steps.
+    compiled_steps.setdefault(name, dumped)
     figures[name] = compiler_figures(compiled_steps[name])
-    figures[name].update(dump_figures(variant.step, states[name], batch))
-    figures[name]["compile_seconds"] = statistics.median(cpu[name])
+    figures[name].update(dump)
+    figures[name]["compile_seconds"] = statistics.median(cpu[name]) if cpu[name] else None
     figures[name]["compile_cpu_seconds_all"] = cpu[name]
     figures[name]["compile_wall_seconds_all"] = wall[name]
-    print(f"compiled {name}: {figures[name]['compile_seconds']:.2f} CPU s",
-          file=sys.stderr)
+    if cpu[name]:
+      print(f"compiled {name}: {figures[name]['compile_seconds']:.2f} CPU s",
+            file=sys.stderr)
 
   # Warm up, then time interleaved rounds; the order rotates every round.
   for name, compiled in compiled_steps.items():
@@ -431,7 +442,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         None if base["peak_live_bytes"] is None
         else f["peak_live_bytes"] / base["peak_live_bytes"])
     f["bytes_accessed_ratio"] = f["bytes_accessed"] / base["bytes_accessed"]
-    f["compile_ratio"] = f["compile_seconds"] / base["compile_seconds"]
+    f["compile_ratio"] = (None if f["compile_seconds"] is None
+                          else f["compile_seconds"] / base["compile_seconds"])
   return {
       "config": {k: v for k, v in vars(args).items() if k != "out"},
       "parameters": int(n_params),
@@ -468,9 +480,10 @@ def markdown(results: dict[str, Any]) -> str:
             else percent(f["peak_live_ratio"], digits=3))
     kernels = "n/a" if f["kernels"] is None else (
         f"{f['kernels']} ({f['kernels'] - base['kernels']:+d})")
+    compile_ratio = "n/a" if f["compile_ratio"] is None else f"{f['compile_ratio']:.2f}×"
     lines.append(
         f"| {name} | {f['time_ratio']:.3f}× | {percent(f['temp_ratio'])} | {peak} | "
-        f"{percent(f['bytes_accessed_ratio'])} | {f['compile_ratio']:.2f}× | "
+        f"{percent(f['bytes_accessed_ratio'])} | {compile_ratio} | "
         f"{kernels} |"
     )
   lines += [
@@ -480,8 +493,10 @@ def markdown(results: dict[str, Any]) -> str:
       + ("" if base["peak_live_bytes"] is None else
          f"{base['peak_live_bytes'] / 2**20:.2f} MiB live at the peak (arguments "
          "included), ")
-      + f"{base['bytes_accessed'] / 2**20:.1f} MiB accessed, "
-      f"{base['compile_seconds']:.2f} CPU seconds to trace and compile. Temp "
+      + f"{base['bytes_accessed'] / 2**20:.1f} MiB accessed"
+      + ("" if base["compile_seconds"] is None else
+         f", {base['compile_seconds']:.2f} CPU seconds to trace and compile")
+      + ". Temp "
       "memory is XLA's packed block of temporaries; peak live memory is what is "
       "held at the worst moment (XLA's live-range dump); kernels are the kernel "
       "modules XLA compiled.",
@@ -491,8 +506,10 @@ def markdown(results: dict[str, Any]) -> str:
       f"heads), batch {config['batch_size']}×{config['seq_len']}, adamw, float32 "
       "params, bfloat16 compute, donated state. Step time: median of the per-round "
       f"ratios over {config['rounds']} interleaved rounds of "
-      f"{config['steps_per_round']} steps; compile time: median CPU time of "
-      f"{config['compile_repeats']} fresh traces and compilations.",
+      f"{config['steps_per_round']} steps; compile time: "
+      + (f"median CPU time of {config['compile_repeats']} fresh traces and "
+         "compilations." if config["compile_repeats"] else
+         "not measured (--compile-repeats 0)."),
       "",
   ]
   check = results.get("select_check")
@@ -552,7 +569,14 @@ def write_results(out: str, name: str, results: dict[str, Any], table: str) -> N
 
 def build_parser() -> argparse.ArgumentParser:
   parser = model_parser(__doc__, rounds=15)
-  parser.add_argument("--compile-repeats", type=int, default=5)
+  def repeats(text: str) -> int:
+    if not text.isdigit():
+      raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return int(text)
+
+  parser.add_argument(
+      "--compile-repeats", type=repeats, default=5,
+      help="fresh compilations of each variant to time (0: none, no compile time)")
   add_out_argument(parser, "overhead")
   return parser
 

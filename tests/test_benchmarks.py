@@ -22,7 +22,7 @@ VARIANTS = ["unguarded", "jaxmp", "jmp manual", "optax.apply_if_finite",
             "flax DynamicScale"]
 TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "16",
         "--batch-size", "4", "--rounds", "1", "--steps-per-round", "1",
-        "--warmup-steps", "1", "--compile-repeats", "1"]
+        "--warmup-steps", "1", "--compile-repeats", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,8 @@ def test_overhead_writes_its_table(overhead_run):
       "| compile time | kernels |")
   rows = [line.split("|")[1].strip() for line in table.splitlines()[2:7]]
   assert rows == VARIANTS
-  assert "| unguarded | 1.000× | +0.0% | +0.000% | +0.0% | 1.00× | " in table
+  # Untimed (--compile-repeats 0): no compile-time column figures.
+  assert "| unguarded | 1.000× | +0.0% | +0.000% | +0.0% | n/a | " in table
   assert " (+0) |" in table.splitlines()[2]
   assert "CPU only" in table and "JAX " in table
 
@@ -58,7 +59,7 @@ def test_overhead_json(overhead_run):
   assert results["config"]["d_model"] == 32
   for figures in results["variants"].values():
     assert figures["temp_bytes"] > 0 and figures["bytes_accessed"] > 0
-    assert figures["step_seconds_median"] > 0 and figures["compile_seconds"] > 0
+    assert figures["step_seconds_median"] > 0 and figures["compile_seconds"] is None
     # From XLA's dump: what is live at the peak includes the arguments.
     assert figures["peak_live_bytes"] > figures["argument_bytes"]
     assert isinstance(figures["kernels"], int) and figures["kernels"] > 0
