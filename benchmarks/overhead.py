@@ -298,14 +298,14 @@ def compile_dumped(step, state, batch):
       raise RuntimeError(
           "benchmarks/overhead.py expected XLA to dump one live-range file for "
           f"the train step, found {len(live_ranges)}. This JAX/XLA version dumps "
-          "other files; update dump_figures() to its format.")
+          "other files; update compile_dumped() to its format.")
     text = live_ranges[0].read_text()
   _, found, peak_section = text.partition("Live ranges at")
   cumulative = [int(n) for n in re.findall(r"cumulative: (\d+) bytes", peak_section)]
   if not found or not cumulative:
     raise RuntimeError(
         f"{live_ranges[0].name} has no 'Live ranges at ... (peak)' section; "
-        "update dump_figures() to this XLA version's dump format.")
+        "update compile_dumped() to this XLA version's dump format.")
   return compiled, {"peak_live_bytes": max(cumulative), "kernels": kernels}
 
 
