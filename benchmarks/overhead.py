@@ -36,6 +36,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.metadata
 import json
@@ -255,6 +256,29 @@ def compiler_figures(compiled) -> dict[str, float]:
   }
 
 
+@contextlib.contextmanager
+def dumped_compilation(step, state, batch):
+  """``step`` compiled once more with XLA's dump: yields the compiled step and
+  the folder of dumped files, which is deleted afterwards.
+
+  A program found in JAX's persistent compilation cache (the tests keep one)
+  is not compiled again, so XLA would dump nothing: the cache is off for this
+  compilation. JAX decides once whether it uses the cache; reset_cache makes
+  it decide again.
+  """
+  jitted = jit_step(step)
+  with tempfile.TemporaryDirectory() as tmp:
+    cache_was_on = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+      compiled = jitted.lower(state, batch).compile(compiler_options={"xla_dump_to": tmp})
+    finally:
+      jax.config.update("jax_enable_compilation_cache", cache_was_on)
+      compilation_cache.reset_cache()
+    yield compiled, pathlib.Path(tmp)
+
+
 def dump_figures(step, state, batch) -> dict[str, int | None]:
   """Peak live bytes and kernel count: ``compile_dumped(...)[1]``."""
   return compile_dumped(step, state, batch)[1]
@@ -275,20 +299,7 @@ def compile_dumped(step, state, batch):
   then says n/a.
   """
   on_cpu = jax.default_backend() == "cpu"
-  jitted = jit_step(step)
-  with tempfile.TemporaryDirectory() as tmp:
-    # A program found in JAX's persistent compilation cache (the tests keep
-    # one) is not compiled again, so XLA would dump nothing. JAX decides once
-    # whether it uses the cache; reset_cache makes it decide again.
-    cache_was_on = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    try:
-      compiled = jitted.lower(state, batch).compile(compiler_options={"xla_dump_to": tmp})
-    finally:
-      jax.config.update("jax_enable_compilation_cache", cache_was_on)
-      compilation_cache.reset_cache()
-    dump = pathlib.Path(tmp)
+  with dumped_compilation(step, state, batch) as (compiled, dump):
     live_ranges = sorted(dump.glob("*after_optimizations-live-range.txt"))
     # Kernel modules are dumped as LLVM IR by the CPU back end only.
     kernels = len(list(dump.glob("*.ir-no-opt.ll"))) if on_cpu else None

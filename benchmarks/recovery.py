@@ -32,13 +32,10 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import os
 import pathlib
 import re
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -54,7 +51,6 @@ from overhead import train_lm  # the model of examples/train_lm.py
 
 INITIAL_SCALE = 2.0**10  # finite for this model in float16
 MAX_RETRIES = 4
-_DUMPS = itertools.count()  # a fresh program name for each dump
 
 
 def loss_fns(args) -> tuple[Any, Any, Any]:
@@ -174,23 +170,8 @@ def dumped_compile(step, state, batch):
   the other, though they are one buffer, so that sum counts the whole state
   twice. None where XLA dumps no live ranges (not on the CPU).
   """
-  # A program found in JAX's persistent compilation cache (the tests keep
-  # one) is not compiled again, so XLA would dump nothing: a name of its own
-  # makes the program new, and it is not written back to the cache.
-  def dumped_step(state, batch):
-    return step(state, batch)
-
-  dumped_step.__name__ = dumped_step.__qualname__ = (
-      f"dumped_step_{os.getpid()}_{next(_DUMPS)}")
-  minimum = jax.config.jax_persistent_cache_min_compile_time_secs
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
-  try:
-    with tempfile.TemporaryDirectory() as tmp:
-      compiled = jax.jit(dumped_step, donate_argnums=(0,)).lower(state, batch).compile(
-          compiler_options={"xla_dump_to": tmp, **overhead.DEFAULT_CODEGEN})
-      return compiled, _peak_from_dump(pathlib.Path(tmp))
-  finally:
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", minimum)
+  with overhead.dumped_compilation(step, state, batch) as (compiled, dump):
+    return compiled, _peak_from_dump(dump)
 
 
 def _peak_from_dump(dump: pathlib.Path) -> int | None:
