@@ -1,11 +1,14 @@
 """Tests of examples/train_lm.py, the script `make demo` runs (tiny model)."""
 
+import contextlib
+import io
 import json
 import math
 import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -27,20 +30,31 @@ def _run(*args, cwd):
   )
 
 
+def _train(*args, out):
+  """``train_lm.run(args)`` in this process; its stdout and run directory.
+
+  The training runs call the script's ``run()`` here rather than in a process
+  of their own, which would import JAX, Flax and matplotlib again (the command
+  line itself is tested by ``test_bad_input_has_no_traceback``). Under
+  standard dtype promotion, as the script runs: the demo's attention
+  multiplies its float32 softmax by half-precision values.
+  """
+  stdout = io.StringIO()
+  with contextlib.redirect_stdout(stdout), jax.numpy_dtype_promotion("standard"):
+    run_dir = train_lm.run([*args, "--out", str(out)])
+  return stdout.getvalue(), run_dir
+
+
 COMPARED = ["float32", "mixed_bfloat16", "mixed_float16", "mixed_fp8",
             "mixed_float16+recover"]
 
 
 @pytest.fixture(scope="module")
 def compare_run(tmp_path_factory):
-  """One `--policy compare --fp8 --recover` run (one process for the five
-  runs); float16 starts at 2**24 so that it overflows."""
-  out = tmp_path_factory.mktemp("runs")
-  proc = _run(*TINY, "--init-scale", "2**24", "--fp8", "--recover",
-              "--out", str(out), cwd=out)
-  assert proc.returncode == 0, proc.stderr
-  (run_dir,) = list(out.iterdir())
-  return proc, run_dir
+  """One `--policy compare --fp8 --recover` run (the five runs in one call);
+  float16 starts at 2**24 so that it overflows."""
+  return _train(*TINY, "--init-scale", "2**24", "--fp8", "--recover",
+                out=tmp_path_factory.mktemp("runs"))
 
 
 def _results(run_dir):
@@ -49,12 +63,12 @@ def _results(run_dir):
 
 
 def test_writes_metrics_and_plot(compare_run):
-  proc, run_dir = compare_run
+  stdout, run_dir = compare_run
   metrics = json.loads((run_dir / "metrics.json").read_text())
   assert [r["policy"] for r in metrics["results"]] == COMPARED
   png = (run_dir / "loss.png").read_bytes()
   assert png.startswith(b"\x89PNG") and len(png) > 10_000
-  assert "| policy | train loss | val loss |" in proc.stdout
+  assert "| policy | train loss | val loss |" in stdout
   assert metrics["config"]["init_scale"] == 2.0**24
   for result in metrics["results"]:
     assert len(result["train"]["loss"]) == 12
@@ -106,14 +120,12 @@ def test_runs_without_events_or_recovery_have_the_plain_table(compare_run):
 def spike_run(tmp_path_factory):
   """float16 with a spike at step 6: plain, under the fallback controller, and
   recovering its batches in the step under the controller."""
-  out = tmp_path_factory.mktemp("spike")
-  proc = _run(*TINY, "--steps", "14", "--policy", "mixed_float16", "--fallback",
-              "--recover", "--max-retries", "2", "--fp16-spike", "6",
-              "--init-scale", "2**2", "--out", str(out), cwd=out)
-  assert proc.returncode == 0, proc.stderr
-  (run_dir,) = list(out.iterdir())
+  stdout, run_dir = _train(
+      *TINY, "--steps", "14", "--policy", "mixed_float16", "--fallback",
+      "--recover", "--max-retries", "2", "--fp16-spike", "6",
+      "--init-scale", "2**2", out=tmp_path_factory.mktemp("spike"))
   results = json.loads((run_dir / "metrics.json").read_text())["results"]
-  return proc, run_dir, {r["policy"]: r for r in results}
+  return stdout, run_dir, {r["policy"]: r for r in results}
 
 
 def test_the_spike_drives_plain_float16_to_the_crash_condition(spike_run):
@@ -128,7 +140,7 @@ def test_the_spike_drives_plain_float16_to_the_crash_condition(spike_run):
 
 
 def test_the_fallback_run_switches_once_and_loses_no_batch_after(spike_run):
-  proc, run_dir, results = spike_run
+  stdout, run_dir, results = spike_run
   run = results["mixed_float16+fallback"]
   assert [e["event"] for e in run["events"]] == ["crash condition", "switch"]
   assert run["events"][1] == {"step": 8, "event": "switch",
@@ -139,14 +151,14 @@ def test_the_fallback_run_switches_once_and_loses_no_batch_after(spike_run):
   assert run["lost_batches"] == {"p=f32,c=f16,o=f32": 3, "p=f32,c=f32,o=f32": 0}
   assert all(math.isfinite(x) for x in run["train"]["loss"][8:])
   assert math.isfinite(run["final_val_loss"])
-  assert ("| mixed_float16+fallback |" in proc.stdout
-          and "mixed_float16: 3, float32: 0 |" in proc.stdout
-          and "switch at step 8 (switched to p=f32,c=f32,o=f32)" in proc.stdout)
+  assert ("| mixed_float16+fallback |" in stdout
+          and "mixed_float16: 3, float32: 0 |" in stdout
+          and "switch at step 8 (switched to p=f32,c=f32,o=f32)" in stdout)
   assert (run_dir / "loss.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_the_recovering_run_recovers_the_spike_batch_and_switches(spike_run):
-  proc, _, results = spike_run
+  stdout, _, results = spike_run
   run = results["mixed_float16+recover+fallback"]
   # Step 6 overflows at 4, 2 and 1 (the minimum: the crash condition); the
   # float32 fallback inside the step recovers the batch, and the controller
@@ -159,12 +171,12 @@ def test_the_recovering_run_recovers_the_spike_batch_and_switches(spike_run):
   assert run["train"]["skipped"] == [False] * 14
   assert run["lost_batches"] == {"p=f32,c=f16,o=f32": 0, "p=f32,c=f32,o=f32": 0}
   assert all(math.isfinite(x) for x in run["train"]["loss"])
-  assert ("| mixed_float16+recover+fallback |" in proc.stdout
-          and "| 1 | mixed_float16: 0, float32: 0 |" in proc.stdout)
+  assert ("| mixed_float16+recover+fallback |" in stdout
+          and "| 1 | mixed_float16: 0, float32: 0 |" in stdout)
 
 
 def test_recovering_from_2_24_loses_no_batch_where_plain_loses_eight(compare_run):
-  proc, run_dir = compare_run
+  stdout, run_dir = compare_run
   results = _results(run_dir)
   plain, recovering = results["mixed_float16"], results["mixed_float16+recover"]
   # Plain skipping loses a batch per halving from 2**24 down to 2**16.
@@ -174,16 +186,16 @@ def test_recovering_from_2_24_loses_no_batch_where_plain_loses_eight(compare_run
   assert recovering["lost_batches"] == {"p=f32,c=f16,o=f32": 0}
   assert recovering["train"]["recovered"] == [True] + [False] * 11
   assert recovering["train"]["loss_scale"][:2] == [2.0**24, 2.0**16]
-  assert ("| mixed_float16 |" in proc.stdout and "| - | mixed_float16: 8 | - |"
-          in proc.stdout)
-  assert "| 1 | mixed_float16: 0 | - |" in proc.stdout
+  assert ("| mixed_float16 |" in stdout and "| - | mixed_float16: 8 | - |"
+          in stdout)
+  assert "| 1 | mixed_float16: 0 | - |" in stdout
 
 
 def test_the_fp8_run_trains_with_finite_fp8_meta(compare_run):
   """--fp8: the demo's 7 matmuls (4 attention projections, 2 MLP layers, the
   head) train in FP8 through TrainState; the meta it ends with is finite and
   was written (Flax starts every scale at 1)."""
-  proc, run_dir = compare_run
+  stdout, run_dir = compare_run
   run = _results(run_dir)["mixed_fp8"]
   assert run["policy_string"] == "p=f32,c=bf16,o=f32,dot=fp8"
   assert not run["loss_scaling"] and run["skipped_steps"] == 0
@@ -194,9 +206,9 @@ def test_the_fp8_run_trains_with_finite_fp8_meta(compare_run):
   for low, high in meta["scales"].values():
     assert 0 < low <= high < 1 and math.isfinite(high)
   assert math.isfinite(run["final_val_loss"])
-  assert "| mixed_fp8 |" in proc.stdout
-  assert "mixed_fp8: 7 matmuls in FP8" in proc.stdout
-  assert "XLA emulates FP8" in proc.stdout
+  assert "| mixed_fp8 |" in stdout
+  assert "mixed_fp8: 7 matmuls in FP8" in stdout
+  assert "XLA emulates FP8" in stdout
 
 
 def test_fp8_flag_adds_mixed_fp8_to_the_compared_policies():
