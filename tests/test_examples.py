@@ -57,11 +57,20 @@ def check_summary(summary, steps, policy):
 @pytest.mark.parametrize("policy, compute", POLICIES)
 def test_quickstart(policy, compute, capsys):
   module = load("quickstart")
-  assert module.main(["--policy", policy, "--steps", "40", "--log-every", "40"]) == 0
+  assert module.main(["--policy", policy, "--steps", "120", "--log-every", "40"]) == 0
   lines = capsys.readouterr().out.splitlines()
   assert lines[0].startswith(f"policy {jaxmp.get_policy(policy)}")
-  losses = [float(line.split()[1]) for line in lines if line.split()[0].isdigit()]
-  assert losses[-1] < losses[0]
+  rows = [line.split() for line in lines if line.split()[0].isdigit()]
+  assert [int(r[0]) for r in rows] == [1, 40, 80, 120]
+  losses, scales = [float(r[1]) for r in rows], [float(r[2]) for r in rows]
+  skipped = [int(r[3]) for r in rows]
+  assert losses[-1] < 0.5 * losses[0]
+  if compute == "float16":
+    assert skipped[0] == 1  # 2**24 overflows float16 on the first step
+    assert scales[-1] < 2**24  # ...so the scale backed off
+  else:  # bfloat16 needs no loss scaling
+    assert skipped == [0] * 4 and scales == [1.0] * 4
+  assert float(lines[-1].split()[2].rstrip(";")) > 0.9  # test accuracy
   assert "params stay float32" in lines[-1]
   tx = module.make_optimizer(jaxmp.get_policy(policy))
   params = module.init_params(jax.random.key(0))
