@@ -225,6 +225,8 @@ def check_finite_steps_match(figures, state, batch) -> dict[str, bool]:
 
   reference = leaves("plain")
   return {name: leaves(name) == reference for name in figures if name != "plain"}
+
+
 def time_rounds(runs: dict[str, Any], args) -> dict[str, list[float]]:
   """Seconds per step of each ``run() -> outputs``, in interleaved rounds."""
   names = list(runs)
