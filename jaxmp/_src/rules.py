@@ -19,6 +19,18 @@ from jaxmp._src.policy import Policy, get_policy
 from jaxmp._src.validation import check_bool
 
 
+def module_path(path: Iterable[Any]) -> str:
+  """The path of a module, as the rules match it: its names joined with ``/``.
+
+  ``path`` is a path of ``nnx.iter_modules`` (attribute names and list
+  indices); the root module's is ``""``.
+
+  >>> module_path(("blocks", 0, "mlp"))
+  'blocks/0/mlp'
+  """
+  return "/".join(str(p) for p in path)
+
+
 def check_pattern(owner: str, pattern: Any) -> None:
   """Raises unless ``pattern`` is a valid regular-expression string.
 

@@ -27,6 +27,7 @@ from flax.linen import fp8_ops
 
 from jaxmp._src.flax.fp8 import flax_fp8_meta
 from jaxmp._src.policy import Fp8Policy
+from jaxmp._src.rules import module_path
 
 
 class Fp8Meta(nnx.Variable):
@@ -165,7 +166,7 @@ def detach_fp8_ops(model: Any) -> dict[str, tuple[Any, str, Any]]:
   for path, module in list(nnx.iter_modules(model)):
     hook = _matmul_hook(module)
     if hook is not None and isinstance(getattr(module, hook[0]), _Fp8Op):
-      removed["/".join(str(p) for p in path)] = (
+      removed[module_path(path)] = (
           module, hook[0], getattr(module, hook[0]))
       setattr(module, hook[0], nnx.static(hook[1]))
   return removed

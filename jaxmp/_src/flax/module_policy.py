@@ -30,7 +30,13 @@ from jaxmp._src.policy import (
   cast_apply_output,
   is_floating_array,
 )
-from jaxmp._src.rules import RuleTable, RuleTablePolicy, check_pattern, rule_table
+from jaxmp._src.rules import (
+  RuleTable,
+  RuleTablePolicy,
+  check_pattern,
+  module_path,
+  rule_table,
+)
 
 # The policies of the Linen module methods now running, innermost last.
 _ACTIVE = threading.local()
@@ -474,7 +480,7 @@ class ModulePolicy(RuleTablePolicy):
     effective: dict[tuple[Any, ...], Policy | None] = {}
     matched_by: dict[Any, list[tuple[Any, ...]]] = {k: [] for k, _ in self.rules}
     for path, module in modules:
-      path_str = "/".join(str(p) for p in path)
+      path_str = module_path(path)
       name = str(path[-1]) if path else None
       match = self._match(module, name, path_str)
       if match is not None:
@@ -494,11 +500,11 @@ class ModulePolicy(RuleTablePolicy):
         module.dtype = policy.compute_dtype
         set_paths[path] = str(policy)
       if policy is not None:  # under an FP8 policy, a matmul layer's FP8 op
-        attach_fp8_op(module, policy, "/".join(str(p) for p in path))
+        attach_fp8_op(module, policy, module_path(path))
     for key, paths in matched_by.items():
       if not paths:
         names = ", ".join(
-            repr("/".join(str(p) for p in path)) for path, _ in modules if path
+            repr(module_path(path)) for path, _ in modules if path
         )
         raise ValueError(
             f"ModulePolicy: the rule {_key_repr(key)} matches no module of the "
@@ -511,7 +517,7 @@ class ModulePolicy(RuleTablePolicy):
             "Name the layers inside them instead (e.g. nnx.Linear)."
         )
     return {
-        ("/".join(str(p) for p in path) or "(root)"): policy
+        (module_path(path) or "(root)"): policy
         for path, policy in sorted(
             set_paths.items(), key=lambda item: [str(p) for p in item[0]]
         )

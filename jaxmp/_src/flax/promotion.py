@@ -34,6 +34,7 @@ from jaxmp._src.flax.fp8_nnx import is_fp8_op
 from jaxmp._src.flax.module_policy import ModulePolicy
 from jaxmp._src.loss_scale import all_finite
 from jaxmp._src.policy import Policy, is_floating_array
+from jaxmp._src.rules import module_path
 
 _ROOT = ""
 
@@ -314,7 +315,7 @@ def _watching_nnx_calls(model: Any, recorder: _Recorder) -> Iterator[None]:
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   # An FP8 op is part of the layer that holds it: the layer is reported.
-  paths = {id(m): "/".join(str(p) for p in path)
+  paths = {id(m): module_path(path)
            for path, m in nnx.iter_modules(model) if not is_fp8_op(m)}
   classes = list(dict.fromkeys(type(m) for _, m in nnx.iter_modules(model)))
   originals = {cls: cls.__call__ for cls in classes}  # before any is wrapped
