@@ -597,6 +597,113 @@ def test_a_scope_can_be_pinned_to_float32():
   assert grads["head"]["kernel"].dtype == F32
 
 
+# -- Every value keeps its meaning ------------------------------------------------
+
+HALF_POLICIES = ["mixed_float16", "mixed_bfloat16"]
+FLOAT32_MIN = jnp.finfo(jnp.float32).min
+
+
+@pytest.mark.parametrize("policy", HALF_POLICIES)
+def test_a_mask_fill_stays_finite_and_a_fully_masked_row_stays_uniform(policy):
+  def constant_fill(w, q):
+    return jax.nn.softmax(jnp.where(jnp.zeros(3, bool), q @ w, FLOAT32_MIN))
+
+  def additive_mask(w, q, mask):  # a fill computed from an input
+    return jax.nn.softmax(q @ w + (1.0 - mask) * FLOAT32_MIN)
+
+  w, q = jnp.ones((3, 3)), jnp.ones((2, 3))
+  mask = jnp.array([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+  for fn, args in ((constant_fill, (w, q)), (additive_mask, (w, q, mask))):
+    expected = jax.jit(fn)(*args)
+    np.testing.assert_array_equal(
+        jax.jit(jaxmp.autocast(fn, policy))(*args), expected)
+  np.testing.assert_array_equal(
+      jaxmp.autocast(constant_fill, policy)(w, q), jnp.full((2, 3), 1 / 3))
+
+
+@pytest.mark.parametrize("policy", HALF_POLICIES)
+def test_a_padded_multi_head_attention_is_finite(policy):
+  tokens = jnp.array([[5, 3, 0, 0], [7, 0, 0, 0]])  # padding queries too
+  x = jax.random.normal(jax.random.key(0), (2, 4, 16))
+  attention = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16)
+  mask = nn.make_attention_mask(tokens > 0, tokens > 0)
+  params = attention.init(jax.random.key(1), x, x, mask=mask)
+
+  def loss(params, x):
+    return jnp.sum(attention.apply(params, x, x, mask=mask) ** 2)
+
+  value, grads = jax.jit(jax.value_and_grad(jaxmp.autocast(loss, policy)))(
+      params, x)
+  assert jnp.isfinite(value)
+  assert jaxmp.all_finite(grads)
+  np.testing.assert_allclose(value, jax.jit(loss)(params, x), rtol=0.05)
+
+
+def _one_hot_cross_entropy(x):
+  labels = jax.nn.one_hot(0, x.shape[-1], dtype=x.dtype)
+  return optax.softmax_cross_entropy(x, labels)
+
+
+# PyTorch's autocast runs these in float32 and returns float32 (its "ops that
+# can autocast to float32"), whatever the dtype of their inputs; jaxmp's
+# float32 rules do the same for half-precision values.
+FLOAT32_OPS = {
+    "sum": jnp.sum,
+    "mean": jnp.mean,
+    "softmax": lambda x: jnp.sum(jax.nn.softmax(x)),
+    "log_softmax": lambda x: jax.nn.log_softmax(x)[0],
+    "logsumexp": jax.nn.logsumexp,
+    "norm": jnp.linalg.norm,
+    "var": jnp.var,
+    "cumsum": lambda x: jnp.cumsum(x)[-1],
+    "cross_entropy": _one_hot_cross_entropy,
+}
+
+
+@pytest.mark.parametrize("op", sorted(FLOAT32_OPS))
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["f16", "bf16"])
+def test_the_float32_rules_hold_for_half_precision_values(op, dtype):
+  fn = FLOAT32_OPS[op]
+  # 100,000 values of +-300: their sums, squares and counts leave float16's
+  # range, and bfloat16 cannot count to 100,000 in steps of 1.
+  x = jnp.tile(jnp.array([300.0, -300.0, 1.0, 2.0], dtype), 25_000)
+  policy = jaxmp.Policy(jnp.float32, dtype, jnp.float32)
+  got = jax.jit(jaxmp.autocast(fn, policy))(x)
+  expected = jax.jit(fn)(x.astype(jnp.float32))
+  assert got.dtype == F32
+  np.testing.assert_allclose(got, expected, rtol=1e-6)
+
+
+def test_a_float16_sum_counts_past_float16s_range():
+  ones = jnp.ones(70_000, jnp.float16)
+  total = jaxmp.autocast(jnp.sum, "mixed_float16")(ones)
+  assert total.dtype == F32 and total == 70_000
+
+
+def test_float8_inputs_are_left_alone():
+  def fp8_matmul(x, w):
+    return jax.lax.dot(x.astype(jnp.float8_e4m3fn), w.astype(jnp.float8_e4m3fn),
+                       preferred_element_type=jnp.float32)
+
+  x, w = jnp.ones((2, 4)), jnp.ones((4, 3))
+  jaxpr = jax.make_jaxpr(jaxmp.autocast(fp8_matmul, "mixed_bfloat16"))(x, w)
+  assert dot_dtypes(jaxpr) == [(np.dtype(jnp.float8_e4m3fn),) * 2]
+  np.testing.assert_array_equal(
+      jaxmp.autocast(fp8_matmul, "mixed_bfloat16")(x, w), fp8_matmul(x, w))
+
+
+def test_an_explicit_preferred_element_type_is_kept():
+  def accumulate_in_float32(x, w):
+    return jax.lax.dot(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                       preferred_element_type=jnp.float32)
+
+  policy = jaxmp.Policy(jnp.float32, jnp.bfloat16, jnp.bfloat16)
+  jaxpr = jax.make_jaxpr(jaxmp.autocast(accumulate_in_float32, policy))(
+      jnp.ones((2, 4)), jnp.ones((4, 3)))
+  [dot] = [e for e in all_eqns(jaxpr) if e.primitive.name == "dot_general"]
+  assert dot.outvars[0].aval.dtype == F32
+
+
 def test_outputs_are_in_the_output_dtype():
   def f(x):
     return {"half": x @ x.T, "int": jnp.argmax(x), "loss": jnp.sum(x)}

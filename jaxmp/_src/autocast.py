@@ -54,6 +54,9 @@ _MOVEMENTS = frozenset({
 # the full shape before it is cast: the cast fuses into the operation, and the
 # gradient of the param, a sum over the broadcast dimensions, is summed in its
 # own dtype (float32) rather than in the compute dtype.
+# Operations whose input another operation computes, and which give that
+# operation their rule (see _Evaluator._shifts_before_exp).
+_FEEDING = {"exp": "sub", "exp2": "sub", "reduce_sum": "mul"}
 _BROADCASTING = frozenset({
     "add", "add_any", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem",
     "nextafter", "select_n", "clamp",
@@ -186,17 +189,36 @@ class _Evaluator:
   meet, as weakly typed Python scalars do in JAX's type promotion.
   """
 
-  def __init__(self, table: Mapping[str, str], scopes: _ScopePolicies):
+  def __init__(self, table: Mapping[str, str], scopes: _ScopePolicies,
+               magnitudes=None, widened=None):
     self.table = table
     self.scopes = scopes
     # (id(value), dtype) -> (value, its cast): each value is cast once per dtype.
     self._casts: dict[tuple[int, np.dtype], tuple[Any, Any]] = {}
     # id(value) -> how a movement made it from a flexible value (see _MOVEMENTS).
     self._moved: dict[int, tuple[Any, ...]] = {}
+    # id(value) -> (value, the largest finite magnitude of the constants it
+    # carries): constants and the flexible values computed from them. Shared
+    # with child evaluators: values keep their identity across levels.
+    self._magnitudes: dict[int, tuple[Any, float]] = (
+        {} if magnitudes is None else magnitudes)
+    # id(value) -> value: what a float32 rule computed, and the values
+    # computed from it elementwise: explicit casts to 16 bits leave them alone.
+    self._widened: dict[int, Any] = {} if widened is None else widened
 
   def child(self) -> "_Evaluator":
     """An evaluator for a program traced at another level (a loop body)."""
-    return _Evaluator(self.table, self.scopes)
+    return _Evaluator(self.table, self.scopes, self._magnitudes, self._widened)
+
+  def constant(self, value: Any) -> Any:
+    """Records the magnitude of a constant of the program (a literal, a const)."""
+    if (isinstance(value, (np.ndarray, np.generic, float))
+        and _is_floating(jnp.result_type(value))):
+      finite = np.abs(np.asarray(value, np.float64))
+      finite = finite[np.isfinite(finite)]
+      if finite.size:
+        self._magnitudes[id(value)] = (value, float(finite.max()))
+    return value
 
   def cast(self, value: Any, dtype: Any) -> Any:
     dtype = np.dtype(dtype)
@@ -210,9 +232,40 @@ class _Evaluator:
         inputs[index] = self.cast(inputs[index], dtype)
         cast = primitive.bind(*inputs, **bind_params)
       else:
-        cast = lax.convert_element_type(value, dtype)
+        cast = self.convert(value, value, dtype)
       self._casts[key] = (value, cast)
     return self._casts[key][1]
+
+  def convert(self, value: Any, source: Any, dtype: np.dtype) -> Any:
+    """``value`` in ``dtype``, saturated where ``source`` carries a constant.
+
+    A constant of the program, or a flexible value computed from one, keeps
+    its meaning in a narrower dtype: a fill value such as
+    ``jnp.finfo(jnp.float32).min`` becomes the most negative finite number of
+    the narrower dtype, not ``-inf`` (so a padded attention row stays finite),
+    and a nonzero constant does not become zero. Infinities and NaNs stay
+    what they are. A constant is converted on the host; a value computed at
+    run time is clamped only if a constant it carries is out of range.
+    """
+    entry = self._magnitudes.get(id(source))
+    if entry is None or not _is_floating(jnp.result_type(value)):
+      return lax.convert_element_type(value, dtype)
+    info = jnp.finfo(dtype)
+    source_dtype = jnp.result_type(value)
+    if isinstance(value, (np.ndarray, np.generic, float)):
+      x = np.asarray(value, source_dtype).astype(np.float64)
+      finite = np.isfinite(x)
+      x = np.where(finite, np.clip(x, float(info.min), float(info.max)), x)
+      vanishes = (x != 0) & (x.astype(dtype) == 0)
+      return np.where(
+          vanishes, np.sign(x) * float(info.smallest_normal), x).astype(dtype)
+    if entry[1] <= float(info.max):
+      return lax.convert_element_type(value, dtype)
+    low = np.array(info.min, source_dtype)
+    high = np.array(info.max, source_dtype)
+    saturated = lax.select(
+        lax.is_finite(value), lax.clamp(low, value, high), value)
+    return lax.convert_element_type(saturated, dtype)
 
   # -- Programs ----------------------------------------------------------------
 
@@ -223,7 +276,7 @@ class _Evaluator:
 
     def read(atom):
       if isinstance(atom, jax_core.Literal):
-        return atom.val, True
+        return self.constant(atom.val), True
       return env[atom], flexible[atom]
 
     def write(var, value, is_flexible):
@@ -233,7 +286,7 @@ class _Evaluator:
       flexible[var] = is_flexible
 
     for var, value, f in zip(jaxpr.constvars, consts, const_flexible):
-      write(var, value, f)
+      write(var, self.constant(value), f)
     for var, value, f in zip(jaxpr.invars, args, arg_flexible):
       write(var, value, f)
     shifts = self._shifts_before_exp(jaxpr)
@@ -259,18 +312,33 @@ class _Evaluator:
     )
 
   def _shifts_before_exp(self, jaxpr) -> dict[Any, str]:
-    """The ``sub`` equations whose result feeds ``exp``: they take its rule."""
+    """The operations that compute the input of another: they take its rule.
+
+    The ``sub`` whose result feeds ``exp`` (softmax's ``x - max(x)``), and
+    the ``mul`` whose result a ``reduce_sum`` adds up (a norm's ``x * x``,
+    through the cast to float32 that ``jnp`` puts before a half-precision
+    sum), so that neither overflows before the rule of its consumer applies.
+    """
     producers = {
         eqn.outvars[0]: eqn
         for eqn in jaxpr.eqns
-        if eqn.primitive.name == "sub"
+        if eqn.primitive.name in _FEEDING.values()
+        or eqn.primitive.name == "convert_element_type"
     }
+
+    def producer(atom):
+      eqn = None if isinstance(atom, jax_core.Literal) else producers.get(atom)
+      if eqn is not None and eqn.primitive.name == "convert_element_type":
+        return producer(eqn.invars[0])
+      return eqn
+
     shifts = {}
     for eqn in jaxpr.eqns:
-      if eqn.primitive.name in ("exp", "exp2"):
-        atom = eqn.invars[0]
-        if not isinstance(atom, jax_core.Literal) and atom in producers:
-          shifts[id(producers[atom])] = self.table.get(eqn.primitive.name, "promote")
+      name = eqn.primitive.name
+      if name in _FEEDING:
+        source = producer(eqn.invars[0])
+        if source is not None and source.primitive.name == _FEEDING[name]:
+          shifts[id(source)] = self.table.get(name, "promote")
     return shifts
 
   # -- One equation --------------------------------------------------------------
@@ -284,6 +352,14 @@ class _Evaluator:
     if kind is None:
       has_program = any(True for _ in jax_core.jaxprs_in_params(eqn.params))
       kind = "original" if has_program else "promote"
+    if (name == "convert_element_type" and kind != "original"
+        and id(values[0]) in self._widened
+        and np.dtype(eqn.params["new_dtype"]).itemsize == 2
+        and _is_floating(eqn.params["new_dtype"])):
+      # A cast to 16 bits of what a float32 rule computed: the float32 rules
+      # hold for half-precision values too (a float16 sum is a float32 sum),
+      # so the value stays float32, as PyTorch's autocast returns it.
+      return [values[0]], [False]
     policy, pinned = self.scopes(scopes)
     return self.apply(kind, eqn, values, flags, policy, pinned)
 
@@ -293,7 +369,7 @@ class _Evaluator:
     targets = self._targets(kind, eqn, values, flags, policy, floor)
     out_shape = tuple(eqn.outvars[0].aval.shape) if eqn.outvars else ()
     broadcasts = kind == "promote" and eqn.primitive.name in _BROADCASTING
-    cast_values = []
+    originals, cast_values = values, []
     for v, t, f in zip(values, targets, flags):
       shape = jnp.shape(v)
       if t is None or t == jnp.result_type(v):
@@ -301,18 +377,25 @@ class _Evaluator:
       elif (broadcasts and f and shape != out_shape
             and len(shape) == len(out_shape)):
         full = lax.broadcast_in_dim(v, out_shape, tuple(range(len(out_shape))))
-        cast_values.append(lax.convert_element_type(full, t))
+        cast_values.append(self.convert(full, v, t))
       else:
         cast_values.append(self.cast(v, t))
     values = cast_values
     params = dict(eqn.params)
-    if kind != "original" and _is_floating(params.get("preferred_element_type")):
+    preferred = params.get("preferred_element_type")
+    if kind != "original" and _is_floating(preferred):
+      traced = [a.aval.dtype for a in eqn.invars if _is_floating(a.aval.dtype)]
       dtypes = [v.dtype for v in values if _is_floating(jnp.result_type(v))]
-      if dtypes:
+      # JAX sets preferred_element_type to the inputs' dtype by default; one
+      # wider than the traced inputs was asked for, and is kept.
+      asked = traced and np.dtype(preferred).itemsize > max(
+          np.dtype(d).itemsize for d in traced)
+      if dtypes and not asked:
         params["preferred_element_type"] = _widest(dtypes)
     bind_params = eqn.primitive.get_bind_params(params)
     out = eqn.primitive.bind(*values, **bind_params)
     outs = list(out) if eqn.primitive.multiple_results else [out]
+    self._track(kind, originals, outs)
     if kind in ("promote", "as_is"):
       floating_inputs = [
           f for v, f in zip(values, flags) if _is_floating(jnp.result_type(v))
@@ -330,6 +413,23 @@ class _Evaluator:
       is_flexible = False
     return outs, [is_flexible] * len(outs)
 
+  def _track(self, kind, inputs, outs):
+    """Records what the outputs of an operation carry (see ``__init__``)."""
+    floating_outs = [o for o in outs if _is_floating(jnp.result_type(o))]
+    if kind == "float32":
+      self._widened.update((id(o), o) for o in floating_outs)
+      return
+    if kind not in ("promote", "as_is"):
+      return
+    if any(id(v) in self._widened for v in inputs):
+      self._widened.update(
+          (id(o), o) for o in floating_outs
+          if np.dtype(jnp.result_type(o)).itemsize >= 4)
+    magnitudes = [self._magnitudes[id(v)][1] for v in inputs
+                  if id(v) in self._magnitudes]
+    if magnitudes:
+      self._magnitudes.update((id(o), (o, max(magnitudes))) for o in floating_outs)
+
   def _targets(self, kind, eqn, values, flags, policy, floor):
     dtypes = [jnp.result_type(v) for v in values]
     floating = [_is_floating(d) for d in dtypes]
@@ -346,7 +446,7 @@ class _Evaluator:
       compute = policy.compute_dtype
       return [
           compute if f and (floor is not None or np.dtype(d).itemsize > 1
-                            or compute.itemsize == 1) else None
+                            or np.dtype(compute).itemsize == 1) else None
           for d, f in zip(dtypes, floating)
       ]
     if kind == "float32":
@@ -664,13 +764,16 @@ def autocast(
   * range- and precision-sensitive operations (``exp``, ``log``,
     ``logistic``, the ``x - max(x)`` of softmax, ``reduce_sum``, ``cumsum``,
     ``rsqrt``, ``square`` ...) run in float32, so softmax, layer norm and the
-    loss do;
+    loss do, and return float32 even for float16 or bfloat16 values (a cast
+    back to 16 bits of their result is left out);
   * everything else runs in the widest dtype of its inputs. The function's
     own inputs and captured constants (params, the batch, a float32 array in a
     closure) are *flexible*: they take the dtype of the computed values they
     meet, as a Python scalar does in JAX's promotion. A float32 bias added to
     a bfloat16 matmul output is added in bfloat16, as if the params had been
-    cast with ``policy.cast_to_compute``.
+    cast with ``policy.cast_to_compute``. A constant is not narrowed into
+    ``-inf``, ``inf`` or 0: a mask fill ``jnp.finfo(jnp.float32).min`` becomes
+    the most negative finite number of the narrower dtype.
 
   Floating outputs are cast to ``policy.output_dtype``. Each value (each
   param) is cast at most once per dtype, however often it is used. The
