@@ -1,16 +1,14 @@
-"""What does recovering the batch inside the step cost? ``jaxmp.recovering_step``.
+"""What does recovering the batch inside the step cost? ``jaxmp.retry_skipped``.
 
 The jitted train step of the byte-level transformer of ``examples/train_lm.py``
 (``optax.adamw``, float32 master parameters, float16 compute, a donated
-state), written four ways:
+state), written three ways:
 
 1. ``plain``: ``jaxmp.scaled_value_and_grad`` and ``jaxmp.loss_scaling``;
-2. ``recovering_step``: ``jaxmp.recovering_step(loss, tx,
-   jaxmp.Recover(max_retries=4))``, the whole step in a do-while loop;
-3. ``recovering_step+fallback``: with ``fallback=`` the float32 loss as well;
-4. ``value_and_grad recover``: the plain step with
-   ``scaled_value_and_grad(..., recover=jaxmp.Recover(max_retries=4))`` and
-   ``tx.update(..., recovery=recovery)``, the retries inside the gradients.
+2. ``retry_skipped``: ``jaxmp.retry_skipped(plain, max_retries=4)``, the
+   whole step in a do-while loop;
+3. ``retry_skipped+fallback``: with ``fallback=`` the same step on the
+   float32 loss as well.
 
 For each it reports the compiler's figures for a *finite* step (which are
 deterministic: ``cost_analysis()`` bytes accessed, ``memory_analysis()``
@@ -65,36 +63,27 @@ def loss_fns(args) -> tuple[Any, Any, Any]:
 def make_steps(loss16, loss32) -> tuple[dict[str, Any], Any]:
   """The train steps, each ``(params, opt_state), batch -> (state, loss)``."""
   tx = jaxmp.loss_scaling(optax.adamw(1e-3), jaxmp.DynamicLossScale(INITIAL_SCALE))
-  recover = jaxmp.Recover(max_retries=MAX_RETRIES)
 
-  def plain(state, batch):
-    params, opt_state = state
-    loss, grads = jaxmp.scaled_value_and_grad(
-        loss16, jaxmp.get_loss_scale(opt_state))(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), loss
-
-  def whole_step(recover):
-    recovering = jaxmp.recovering_step(loss16, tx, recover)
-
+  def step_of(loss_fn):
     def step(state, batch):
-      params, opt_state, loss, _ = recovering(*state, batch)
-      return (params, opt_state), loss
+      params, opt_state = state
+      loss, grads = jaxmp.scaled_value_and_grad(
+          loss_fn, jaxmp.get_loss_scale(opt_state))(params, batch)
+      updates, opt_state = tx.update(grads, opt_state, params)
+      return (optax.apply_updates(params, updates), opt_state), loss
     return step
 
-  def value_and_grad_recover(state, batch):
-    params, opt_state = state
-    loss, grads, recovery = jaxmp.scaled_value_and_grad(
-        loss16, jaxmp.get_loss_scale(opt_state), recover=recover)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params, recovery=recovery)
-    return (optax.apply_updates(params, updates), opt_state), loss
+  plain = step_of(loss16)
+
+  def retrying(fallback=None):
+    recovering = jaxmp.retry_skipped(
+        plain, max_retries=MAX_RETRIES, fallback=fallback)
+    return lambda state, batch: recovering(state, batch)[:2]
 
   return {
       "plain": plain,
-      "recovering_step": whole_step(recover),
-      "recovering_step+fallback": whole_step(
-          dataclasses.replace(recover, fallback=loss32)),
-      "value_and_grad recover": value_and_grad_recover,
+      "retry_skipped": retrying(),
+      "retry_skipped+fallback": retrying(fallback=step_of(loss32)),
   }, tx
 
 
@@ -263,9 +252,8 @@ def measure(args) -> dict[str, Any]:
   # A recovered step: the scale is 2**MAX_RETRIES times too high, so the
   # first attempt and the retries before the last overflow.
   too_high = None
-  probe = jax.jit(lambda s, b: jaxmp.scaled_value_and_grad(
-      loss16, jaxmp.get_loss_scale(s[1]), recover=jaxmp.Recover(MAX_RETRIES))(
-          s[0], b)[2])
+  probe = jax.jit(lambda s, b: jaxmp.retry_skipped(
+      steps["plain"], max_retries=MAX_RETRIES)(s, b)[2])
   for exponent in range(11, 40):
     candidate = with_scale(state, 2.0**exponent)
     info = probe(candidate, batch)
@@ -274,7 +262,7 @@ def measure(args) -> dict[str, Any]:
       break
   runs = {name: finite_run(name) for name in steps}
   if too_high is not None:  # copies too, as the finite runs do
-    for name in ("recovering_step", "value_and_grad recover"):
+    for name in ("retry_skipped",):
       compiled = figures[name]["compiled"]
       runs[f"{name}, {MAX_RETRIES} retries"] = (
           lambda compiled=compiled: compiled(overhead.copy_tree(too_high), batch))

@@ -165,14 +165,14 @@ def build_parser() -> argparse.ArgumentParser:
   )
   parser.add_argument(
       "--recover", action="store_true",
-      help="also train each float16 policy with jaxmp.recovering_step, which "
-      "recomputes a batch whose gradients overflow inside the step (at "
+      help="also train each float16 policy with jaxmp.retry_skipped, which "
+      "runs a step whose gradients overflow again inside the step (at "
       "backed-off scales, then in the wider policy) instead of skipping it; "
       "with --fallback, that run also falls back",
   )
   parser.add_argument(
       "--max-retries", type=int, default=8,
-      help="with --recover, how many backed-off recomputes a batch gets "
+      help="with --recover, how many backed-off retries a batch gets "
       "before the wider policy; 8 reach 2**16 from --init-scale 2**24",
   )
   parser.add_argument(
@@ -270,7 +270,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], Config]:
     policies += [p + FALLBACK_SUFFIX for p in scaled]
   if args.recover:
     try:
-      jaxmp.Recover(max_retries=args.max_retries)
+      jaxmp.retry_skipped(lambda state: (state, None), max_retries=args.max_retries)
     except (TypeError, ValueError) as e:
       raise UsageError(f"--max-retries: {e}") from None
     policies += [p + RECOVER_SUFFIX + (FALLBACK_SUFFIX if args.fallback else "")
@@ -526,11 +526,10 @@ def make_train_step(loss_fn, tx, *, gradients=scaled_gradients, recover=None):
   """One guarded step: scaled gradients, update or skip, adjust the scale.
 
   ``gradients(loss_fn)`` builds the function that takes the gradients of a
-  batch (default :func:`scaled_gradients`). With ``recover`` (a
-  :class:`jaxmp.Recover`), the step is :func:`jaxmp.recovering_step`'s
-  instead, which recomputes a batch whose update was skipped inside the step,
-  and the metrics say whether this batch was recovered (``gradients`` is not
-  used then).
+  batch (default :func:`scaled_gradients`). With ``recover`` (see
+  :func:`recover_config`), the step is wrapped with :func:`jaxmp.retry_skipped`,
+  which runs a skipped step again inside the step, and the metrics say
+  whether this batch was recovered (``gradients`` is not used then).
   """
   import jax  # pylint: disable=import-outside-toplevel
   import optax  # pylint: disable=import-outside-toplevel
@@ -538,15 +537,25 @@ def make_train_step(loss_fn, tx, *, gradients=scaled_gradients, recover=None):
   import jaxmp  # pylint: disable=import-outside-toplevel
 
   if recover is not None:
-    recovering = jaxmp.recovering_step(loss_fn, tx, recover)
+    def step_of(loss_fn):
+      def step(state, batch):
+        params, opt_state = state
+        loss, grads = jaxmp.scaled_value_and_grad(
+            loss_fn, jaxmp.get_loss_scale(opt_state))(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), loss
+      return step
+
+    recovering = jaxmp.retry_skipped(
+        step_of(loss_fn), max_retries=recover["max_retries"],
+        fallback=step_of(recover["fallback"]))
 
     def recovering_train_step(params, opt_state, batch):
-      params, opt_state, loss, recovery = recovering(params, opt_state, batch)
+      (params, opt_state), loss, info = recovering((params, opt_state), batch)
       metrics = jaxmp.loss_scaling_metrics(opt_state)
       metrics["loss"] = loss
-      metrics["recovered"] = recovery.finite & (
-          (recovery.retries > 0) | recovery.fell_back)
-      metrics["fell_back"] = recovery.finite & recovery.fell_back
+      metrics["recovered"] = info.finite & ((info.retries > 0) | info.fell_back)
+      metrics["fell_back"] = info.finite & info.fell_back
       return params, opt_state, metrics
 
     return jax.jit(recovering_train_step, donate_argnums=(0, 1))
@@ -658,13 +667,12 @@ def fallback_controller(policy_name: str):
 
 
 def recover_config(config: Config, model):
-  """The jaxmp.Recover of a ``+recover`` run: the backed-off retries, then
-  the loss under the wider policy (:func:`wider_policy`), at scale 1."""
+  """What a ``+recover`` run retries with: the backed-off retries, then the
+  loss under the wider policy (:func:`wider_policy`)."""
   import jaxmp  # pylint: disable=import-outside-toplevel
 
-  return jaxmp.Recover(
-      max_retries=config.max_retries,
-      fallback=make_loss_fn(model, jaxmp.get_policy(wider_policy())))
+  return {"max_retries": config.max_retries,
+          "fallback": make_loss_fn(model, jaxmp.get_policy(wider_policy()))}
 
 
 # ---------------------------------------------------------------------------
@@ -705,7 +713,7 @@ def train(run_name: str, config: Config, train_text, val_text,
   it to a wider one when float16 fails (the step is compiled once more).
   With ``+recover`` (before ``+fallback`` when both), the step recovers a
   batch whose update would be skipped, inside the step
-  (:func:`jaxmp.recovering_step` with :func:`recover_config`).
+  (:func:`jaxmp.retry_skipped` with :func:`recover_config`).
   ``gradients`` is how the step takes the gradients of a batch (see
   :func:`make_train_step`). A policy with FP8 matmuls (:class:`jaxmp.Fp8Policy`)
   trains a ``jaxmp.flax.TrainState`` instead (:func:`make_fp8_state`), whose

@@ -57,8 +57,7 @@ from jaxmp._src.precision_audit import (
     precision_report,
 )
 from jaxmp._src.sharding import opt_state_shardings
-from jaxmp._src.recovering_step import recovering_step
-from jaxmp._src.recovery import Recover, RecoveryInfo
+from jaxmp._src.recovery import RecoveryInfo, keep_on_skip, retry_skipped
 from jaxmp._src.torch_scaler import from_torch_grad_scaler
 from jaxmp._src.value_and_grad import scaled_value_and_grad
 
@@ -93,9 +92,9 @@ __all__ = [
     "get_loss_scale",
     "loss_scaling_metrics",
     "scaled_value_and_grad",
-    "Recover",
+    "keep_on_skip",
+    "retry_skipped",
     "RecoveryInfo",
-    "recovering_step",
     "check_loss_scale",
     "LossScaleAtMinimumError",
     "multi_steps",

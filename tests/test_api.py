@@ -22,7 +22,7 @@ PUBLIC = {
     # The optax wrapper.
     "loss_scaling", "LossScalingState", "get_loss_scale", "loss_scaling_metrics",
     "scaled_value_and_grad", "check_loss_scale", "LossScaleAtMinimumError",
-    "multi_steps", "Recover", "RecoveryInfo", "recovering_step",
+    "multi_steps", "RecoveryInfo", "keep_on_skip", "retry_skipped",
     # Distributed training.
     "opt_state_shardings",
     # Migration.
@@ -37,8 +37,8 @@ PUBLIC = {
 }
 
 FLAX_PUBLIC = {
-    "TrainState", "recovering_train_step", "ModulePolicy", "nnx_scaled_value_and_grad",
-    "nnx_keep_on_skip", "nnx_recovering_step", "Fp8Meta",
+    "TrainState", "ModulePolicy", "nnx_scaled_value_and_grad",
+    "nnx_keep_on_skip", "Fp8Meta",
     "save_checkpoint", "restore_checkpoint", "loss_scale_config",
     "find_overflowing_modules", "OverflowReport",
 }

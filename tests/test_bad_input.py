@@ -115,40 +115,9 @@ def jitted_update_on_unbound_axis():
   return jax.jit(tx.update)(PARAMS, tx.init(PARAMS), PARAMS)
 
 
-def recovering_grads(recover, fun=lambda w: jnp.sum(w["w"]) + jnp.sum(w["b"])):
-  return lambda: jaxmp.scaled_value_and_grad(
-      fun, jaxmp.DynamicLossScale(), recover=recover)(PARAMS)
-
-
-def update_with_recovery(recovery):
-  return lambda: TX.update(PARAMS, STATE, PARAMS, recovery=recovery)
-
-
-def recovery_of(loss_scale):
-  return jaxmp.scaled_value_and_grad(
-      lambda w: jnp.sum(w["w"]) + jnp.sum(w["b"]), loss_scale,
-      recover=jaxmp.Recover())(PARAMS)[2]
-
-
-def nnx_recovery_with_policy_fallback():
-  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-  return jaxmp.flax.nnx_scaled_value_and_grad(
-      lambda m: jnp.sum(m(jnp.ones((1, 2)))), jaxmp.DynamicLossScale(),
-      recover=jaxmp.Recover(fallback="float32"))(model)
-
-
-def train_state_bf16_fallback():
-  state = jaxmp.flax.TrainState.create(
-      apply_fn=None, params=PARAMS, tx=optax.sgd(0.1), policy="mixed_float16")
-  return state.value_and_grad(lambda p: jnp.sum(p["w"]),
-                              recover=jaxmp.Recover(fallback="mixed_bfloat16"))
-
-
-def whole_step_on(tx, recover=jaxmp.Recover()):
-  """A call of jaxmp.recovering_step's step on a fresh state of ``tx``."""
-  step = jaxmp.recovering_step(lambda w: jnp.sum(w["w"]) + jnp.sum(w["b"]), tx,
-                               recover)
-  return lambda: step(PARAMS, tx.init(PARAMS))
+def retried_on(state):
+  """A call of jaxmp.retry_skipped's step on ``state``."""
+  return lambda: jaxmp.retry_skipped(lambda state: (state, None))(state)
 
 
 VALID_DTYPES = r"Valid dtype names are: bf16, bfloat16, f16, f32"
@@ -161,77 +130,31 @@ SAME_PARAMS = r"Differentiate with respect to the same params you pass to update
 METRICS_FIX = r"Pass the dict returned by jaxmp\.loss_scaling_metrics\(opt_state\)"
 
 CASES = [
-    # -- Recovery -------------------------------------------------------------------
-    Case("Recover: negative max_retries", lambda: jaxmp.Recover(max_retries=-1),
+    # -- Recovery (retry_skipped, keep_on_skip) ----------------------------------
+    Case("retry_skipped: negative max_retries",
+         lambda: jaxmp.retry_skipped(jnp.sum, max_retries=-1),
          ValueError, r"max_retries must be .*>= 0.*got -1",
-         r"Pass how many backed-off recomputes to try"),
-    Case("Recover: a fractional max_retries", lambda: jaxmp.Recover(max_retries=2.5),
+         r"Pass how many times to run a skipped step again"),
+    Case("retry_skipped: a fractional max_retries",
+         lambda: jaxmp.retry_skipped(jnp.sum, max_retries=2.5),
          TypeError, r"max_retries must be an integer.*2\.5",
-         r"Pass how many backed-off recomputes to try"),
-    Case("Recover: a float16 fallback", lambda: jaxmp.Recover(fallback="mixed_float16"),
-         ValueError, r"computes in float16, which overflows at scale 1",
-         r"Fall back to 'float32'"),
-    Case("Recover: an unknown fallback policy", lambda: jaxmp.Recover(fallback="fp33"),
-         ValueError, r"Recover\(fallback='fp33'\): the fallback must be None, a policy",
-         r"a function with the loss function's signature"),
-    Case("Recover: an unhashable axis name",
-         lambda: jaxmp.Recover(axis_name=["batch"]), TypeError,
-         r"must be hashable; got .*axis_name=\['batch'\]",
-         r"a string or tuple of strings"),
-    Case("scaled_value_and_grad: recover is not a Recover",
-         recovering_grads("yes"), TypeError,
-         r"recover='yes'\): recover must be a jaxmp\.Recover",
-         r"recover=jaxmp\.Recover\(max_retries=4, fallback='float32'\)"),
-    Case("scaled_value_and_grad: a policy fallback",
-         recovering_grads(jaxmp.Recover(fallback="float32")), TypeError,
-         r"the recovery fallback p=f32,c=f32,o=f32 is a policy",
-         r"Pass a function with the loss function's signature"),
-    Case("scaled_value_and_grad: recovery axis not bound",
-         lambda: jax.jit(recovering_grads(jaxmp.Recover(axis_name="batch")))(),
-         ValueError, r"Recover\(axis_name='batch'\)\): that axis name is not bound",
-         r"Call it inside jax\.shard_map or jax\.pmap"),
-    Case("loss_scaling: recovery is not a RecoveryInfo",
-         update_with_recovery({"retries": 1}), TypeError,
-         r"recovery must be the jaxmp\.RecoveryInfo .* got a dict",
-         r"scaled_value_and_grad\(\.\.\., recover=jaxmp\.Recover\(\)\) returned"),
-    Case("loss_scaling: recovery at another loss scale",
-         update_with_recovery(recovery_of(jaxmp.StaticLossScale(8.0))), ValueError,
-         r"the recovery's loss scale .*StaticLossScale.* is not the optimizer's",
-         r"jaxmp\.get_loss_scale\(opt_state\), recover="),
-    Case("nnx_scaled_value_and_grad: a policy fallback",
-         nnx_recovery_with_policy_fallback, TypeError,
-         r"fallback p=f32,c=f32,o=f32 is a policy, but an NNX model fixes its dtypes",
-         r"Pass a function with the loss function's signature"),
-    Case("TrainState.value_and_grad: a bfloat16 fallback without native bfloat16",
-         train_state_bf16_fallback, ValueError,
-         r"computes in bfloat16, which is not native on this cpu device",
-         r"Fall back to 'float32' here"),
-    # -- Recovery: the whole step in the loop (recovering_step) --------------------
-    Case("recovering_step: recover is not a Recover",
-         lambda: jaxmp.recovering_step(jnp.sum, TX, "yes"), TypeError,
-         r"recovering_step\(recover='yes'\): recover must be a jaxmp\.Recover",
-         r"recover=jaxmp\.Recover\(max_retries=4, fallback=loss_fn_f32\)\.$"),
-    Case("recovering_step: an axis name on Recover",
-         lambda: jaxmp.recovering_step(jnp.sum, TX, jaxmp.Recover(axis_name="batch")),
-         ValueError, r"Recover\(axis_name='batch'\)\): the retries follow the "
-         r"optimizer's own finiteness check",
-         r"jaxmp\.loss_scaling\(\.\.\., axis_name='batch'\), and drop it from Recover"),
-    Case("recovering_step: a policy fallback",
-         lambda: jaxmp.recovering_step(jnp.sum, TX, jaxmp.Recover(fallback="float32")),
-         TypeError, r"the recovery fallback p=f32,c=f32,o=f32 is a policy",
-         r"Pass a function with the loss function's signature"),
-    Case("recovering_step: the optimizer is not an optax transformation",
-         lambda: jaxmp.recovering_step(jnp.sum, optax.sgd), TypeError,
-         r"expects the optimizer as its second argument.*got <function sgd",
-         r"an optax\.GradientTransformation wrapped with jaxmp\.loss_scaling"),
-    Case("recovering_step: an optimizer without loss scaling",
-         whole_step_on(optax.sgd(0.1)), ValueError,
-         r"recovering_step: no jaxmp\.loss_scaling state found", NO_STATE_FIX),
-    Case("recovering_step: an accumulating optimizer",
-         whole_step_on(jaxmp.multi_steps(optax.sgd(0.1), jaxmp.DynamicLossScale(), 2)),
-         ValueError, r"the optimizer accumulates gradients \(a MultiStepsState at the "
-         r"top of its state\)",
-         r"Recover each micro-batch with jaxmp\.scaled_value_and_grad"),
+         r"Pass how many times to run a skipped step again"),
+    Case("retry_skipped: a policy as the fallback",
+         lambda: jaxmp.retry_skipped(jnp.sum, fallback="float32"), TypeError,
+         r"retry_skipped\(fallback='float32'\): the fallback must be a step",
+         r"fallback=train_step_float32"),
+    Case("retry_skipped: a state without loss scaling",
+         retried_on((PARAMS, optax.sgd(0.1).init(PARAMS))), ValueError,
+         r"retry_skipped: no jaxmp\.loss_scaling state found", NO_STATE_FIX),
+    Case("retry_skipped: an accumulating optimizer",
+         retried_on(jaxmp.multi_steps(optax.sgd(0.1), jaxmp.DynamicLossScale(), 2)
+                    .init(PARAMS)), ValueError,
+         r"the loss-scaling state sits inside gradient accumulation",
+         r"Retry a step without accumulation"),
+    Case("keep_on_skip: a new value of another structure",
+         lambda: jaxmp.keep_on_skip(STATE, {"a": PARAMS}, PARAMS), ValueError,
+         r"keep_on_skip.*structure",
+         r"pass the updated collection itself"),
     # -- Policies ------------------------------------------------------------
     Case("policy: empty string", lambda: jaxmp.get_policy(""), ValueError,
          r"Empty policy string", POLICY_GRAMMAR),
@@ -1344,14 +1267,6 @@ def fp8_nnx_grads(**kwargs):
       loss_fn, jaxmp.NoOpLossScale(), **kwargs)(fp8_nnx_model())
 
 
-def fp8_nnx_recovering_step():
-  model = fp8_nnx_model()
-  optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(
-      optax.sgd(0.1), jaxmp.DynamicLossScale()), wrt=nnx.Param)
-  step = jaxmp.flax.nnx_recovering_step(lambda model: jnp.sum(model.kernel[...]))
-  step(model, optimizer)
-
-
 FP8_NNX_CASES = [
     Case("set_nnx_dtypes: an nnx.Linear with its own dot_general under an FP8 policy",
          lambda: fp8_nnx_model(dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k)),
@@ -1371,17 +1286,10 @@ FP8_NNX_CASES = [
          ValueError, r"the model has FP8 meta \(jaxmp\.flax\.Fp8Meta\), whose new "
          r"values this call writes into the model",
          r"with jaxmp\.flax\.nnx_keep_on_skip\(model, optimizer\)"),
-    Case("nnx_scaled_value_and_grad: FP8 meta with recover=",
-         fp8_nnx_grads(recover=jaxmp.Recover()), ValueError,
-         r"the model has FP8 meta; recover=\.\.\. is not supported with FP8 meta",
-         r"Leave recover out"),
     Case("nnx_scaled_value_and_grad: FP8 meta with autocast=",
          fp8_nnx_grads(autocast="mixed_bfloat16"), ValueError,
          r"the model has FP8 meta; autocast cannot run FP8 matmuls",
          r"Leave autocast off"),
-    Case("nnx_recovering_step: a model with FP8 meta", fp8_nnx_recovering_step,
-         ValueError, r"nnx_recovering_step does not support FP8 meta",
-         r"Train the FP8 model with the plain step"),
 ]
 
 CASES += FP8_NNX_CASES
@@ -1418,130 +1326,6 @@ FP8_FALLBACK_CASES = [
 ]
 
 CASES += FP8_FALLBACK_CASES
-
-
-# -- Recovery: the whole TrainState step in the loop (recovering_train_step) ---------
-
-
-def train_step_call(state, **kwargs):
-  """A call of jaxmp.flax.recovering_train_step's step on ``state``."""
-  step = jaxmp.flax.recovering_train_step(
-      lambda params, state: (jnp.sum(params["w"]), params["w"]), has_aux=True, **kwargs)
-  return lambda: step(state)
-
-
-def plain_train_state():
-  return jaxmp.flax.TrainState.create(
-      apply_fn=None, params=PARAMS, tx=optax.sgd(0.1), policy="mixed_float16")
-
-
-RECOVERING_TRAIN_STEP_CASES = [
-    Case("recovering_train_step: recover is not a Recover",
-         lambda: jaxmp.flax.recovering_train_step(jnp.sum, "yes"), TypeError,
-         r"recovering_train_step\(recover='yes'\): recover must be a jaxmp\.Recover",
-         r"recover=jaxmp\.Recover\(max_retries=4, fallback='float32'\)\.$"),
-    Case("recovering_train_step: an axis name on Recover",
-         lambda: jaxmp.flax.recovering_train_step(
-             jnp.sum, jaxmp.Recover(axis_name="batch")), ValueError,
-         r"Recover\(axis_name='batch'\)\): the retries follow the optimizer's own",
-         r"TrainState\.create\(\.\.\., axis_name='batch'\), and drop it from Recover"),
-    Case("recovering_train_step: a bfloat16 fallback without native bfloat16",
-         lambda: jaxmp.flax.recovering_train_step(
-             jnp.sum, jaxmp.Recover(fallback="mixed_bfloat16")), ValueError,
-         r"computes in bfloat16, which is not native on this cpu device",
-         r"Fall back to 'float32' here"),
-    Case("recovering_train_step: fields is not a function",
-         lambda: jaxmp.flax.recovering_train_step(
-             jnp.sum, has_aux=True, fields={"batch_stats": None}), TypeError,
-         r"fields must be a function of the aux.*got \{'batch_stats': None\}",
-         r"fields=lambda aux: \{'batch_stats': aux\['batch_stats'\]\}"),
-    Case("recovering_train_step: fields without has_aux",
-         lambda: jaxmp.flax.recovering_train_step(jnp.sum, fields=dict), ValueError,
-         r"computes the fields from the loss function's aux, but has_aux is False",
-         r"pass has_aux=True"),
-    Case("recovering_train_step: fields(aux) is not a dict",
-         train_step_call(plain_train_state(), fields=lambda aux: aux), TypeError,
-         r"fields\(aux\) must return a dict of field names to new values",
-         r"\{'batch_stats': aux\['batch_stats'\]\}"),
-    Case("recovering_train_step: params and an optax state instead of a TrainState",
-         train_step_call(PARAMS), TypeError,
-         r"the step takes a jaxmp\.flax\.TrainState first, got a dict",
-         r"jaxmp\.recovering_step\(loss_fn, tx, recover\)"),
-    Case("recovering_train_step: a state with FP8 meta",
-         train_step_call(fp8_state(fp8_meta={"x": jnp.ones(1)})), ValueError,
-         r"does not support FP8 meta: a retry at a backed-off scale",
-         r"Train the FP8 state with state\.value_and_grad and state\.apply_gradients"),
-]
-
-CASES += RECOVERING_TRAIN_STEP_CASES
-
-
-# -- Recovery: the whole NNX step in the loop (nnx_recovering_step) ----------------
-
-
-def nnx_step_call(*batch, optimizer_first=False, **kwargs):
-  """A call of jaxmp.flax.nnx_recovering_step's step on a small NNX model."""
-  def call():
-    from flax import nnx
-
-    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-    optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(
-        optax.sgd(0.1), jaxmp.DynamicLossScale()), wrt=nnx.Param)
-    step = jaxmp.flax.nnx_recovering_step(lambda model, x=None: jnp.sum(model.kernel))
-    if optimizer_first:
-      return step(optimizer, model, *batch, **kwargs)
-    return step(model, optimizer, *batch, **kwargs)
-  return call
-
-
-def nnx_step_without_loss_scaling():
-  from flax import nnx
-
-  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-  jaxmp.flax.nnx_recovering_step(lambda model: jnp.sum(model.kernel))(model, optimizer)
-
-
-def nnx_rngs():
-  from flax import nnx
-
-  return nnx.Rngs(1)
-
-
-NNX_RECOVERING_STEP_CASES = [
-    Case("nnx_recovering_step: recover is not a Recover",
-         lambda: jaxmp.flax.nnx_recovering_step(jnp.sum, "yes"), TypeError,
-         r"nnx_recovering_step\(recover='yes'\): recover must be a jaxmp\.Recover",
-         r"recover=jaxmp\.Recover\(max_retries=4, fallback=loss_fn_f32\)\.$"),
-    Case("nnx_recovering_step: an axis name on Recover",
-         lambda: jaxmp.flax.nnx_recovering_step(
-             jnp.sum, jaxmp.Recover(axis_name="batch")), ValueError,
-         r"nnx_recovering_step\(recover=jaxmp\.Recover\(axis_name='batch'\)\)",
-         r"jaxmp\.loss_scaling\(\.\.\., axis_name='batch'\), and drop it from Recover"),
-    Case("nnx_recovering_step: a policy as the fallback",
-         lambda: jaxmp.flax.nnx_recovering_step(
-             jnp.sum, jaxmp.Recover(fallback="float32")), TypeError,
-         r"nnx_recovering_step: the recovery fallback .* is a policy, but an NNX model",
-         r"jaxmp\.Recover\(fallback=loss_fn_f32\)"),
-    Case("nnx_recovering_step: has_aux is not a bool",
-         lambda: jaxmp.flax.nnx_recovering_step(jnp.sum, has_aux="yes"), TypeError,
-         r"nnx_recovering_step: has_aux must be True or False, got 'yes'",
-         r"True or False"),
-    Case("nnx_recovering_step: the optimizer and the model swapped",
-         nnx_step_call(optimizer_first=True), TypeError,
-         r"the step takes the model and its nnx\.Optimizer.*got a Linear second",
-         r"nnx\.Optimizer\(model, jaxmp\.loss_scaling\(tx, loss_scale\), wrt=nnx\.Param\)"),
-    Case("nnx_recovering_step: an nnx.Rngs among the batch arguments",
-         nnx_step_call(x=nnx_rngs()), TypeError,
-         r"the keyword argument 'x' is an NNX object \(Rngs\)",
-         r"Make it an attribute of the model"),
-    Case("nnx_recovering_step: an optimizer without loss scaling",
-         nnx_step_without_loss_scaling, ValueError,
-         r"nnx_recovering_step: no jaxmp\.loss_scaling state found",
-         r"Wrap the optimizer with jaxmp\.loss_scaling"),
-]
-
-CASES += NNX_RECOVERING_STEP_CASES
 
 
 def test_the_catalogue_is_large_and_distinct():

@@ -228,7 +228,7 @@ def test_fp8_flag_adds_mixed_fp8_to_the_compared_policies():
     [
         (["--policy", "float32", "--fallback"], "--fallback watches float16 runs"),
         (["--policy", "float32", "--recover"], "--recover watches float16 runs"),
-        (["--recover", "--max-retries", "-1"], "--max-retries: jaxmp.Recover: max_retries"),
+        (["--recover", "--max-retries", "-1"], "--max-retries: jaxmp.retry_skipped: max_retries"),
         (["--policy", "p=f32,c=f16,o=f32,dot=fp8", "--fallback"],
          "--fallback does not cover FP8 runs (p=f32,c=f16,o=f32,dot=fp8)"),
         (["--fp16-spike", "0"], "--fp16-spike must be a step from 1 to --steps"),

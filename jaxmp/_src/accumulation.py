@@ -19,11 +19,6 @@ from jaxmp._src.loss_scaling import (
     step_or_skip,
     wrap_with_loss_scaling,
 )
-from jaxmp._src.recovery import (
-    backed_off_after_fallback,
-    check_recovery,
-    computed_at,
-)
 from jaxmp._src.validation import check_bool, check_number
 
 OWNER = "jaxmp.multi_steps"
@@ -65,15 +60,9 @@ def multi_steps(
   its state is selected in place, with no ``lax.cond``, no host
   synchronisation and no copy of the state. Their updates are ``-0.0``.
 
-  **Recovery.** With gradients from
-  ``jaxmp.scaled_value_and_grad(..., recover=jaxmp.Recover())``, pass
-  ``update(grads, state, params, recovery=recovery)`` for each micro-batch.
-  The micro-batch is unscaled by the scale it was computed at (1 after a
-  fallback); the accumulator, already unscaled, needs no rescaling; and a
-  backed-off scale is adopted at once, so that the next micro-batches are
-  computed at it. ``recovered_steps`` and ``fallback_steps`` count
-  micro-batches; ``skipped_steps`` and ``lost_steps`` count optimizer steps
-  (a micro-batch lost even after recovery loses its accumulation, as above).
+  **Recovery.** :func:`jaxmp.retry_skipped` refuses accumulation: a skip
+  drops every micro-batch of the accumulated step, and a retry could only
+  recompute the last one.
 
   The state is ``optax.MultiStepsState``: ``jaxmp.get_loss_scale``,
   ``jaxmp.loss_scaling_metrics`` and ``optax.MultiSteps.has_updated`` read it.
@@ -148,12 +137,8 @@ def multi_steps(
   def update_fn(grads, state, params=None, **extra_args):
     _check_state(state)
     check_grads_match_params(grads, params, OWNER)
-    recovery = extra_args.pop("recovery", None)
     scaling_state = state.inner_opt_state
-    if recovery is None:
-      scale_of_grads = scaling_state.loss_scale
-    else:
-      scale_of_grads, scaling_state = _adopt_recovery(scaling_state, recovery)
+    scale_of_grads = scaling_state.loss_scale
     k_steps = jnp.asarray(every_k(state.gradient_step), jnp.int32)
     emit = state.mini_step == k_steps - 1
     # The sum so far, unscaled, in the accumulator's dtype. XLA writes it
@@ -231,27 +216,4 @@ def _check_state(state: Any) -> None:
         f"{type(state).__name__}, not the optax.MultiStepsState holding a "
         "LossScalingState that its init returned. Pass the state returned "
         "by tx.init(params).")
-
-
-def _adopt_recovery(scaling: LossScalingState, recovery: Any
-                    ) -> tuple[LossScale, LossScalingState]:
-  """The scale a recovered micro-batch was computed at, and the new state.
-
-  The micro-batch is unscaled by the scale its gradients were computed at (1
-  after a fallback), so the unscaled accumulator needs no rescaling. The
-  loss-scaling state takes the recovered, backed-off scale at once, so that
-  the next micro-batches are computed at it. ``recovered_steps`` and
-  ``fallback_steps`` count micro-batches.
-  """
-  recovery = check_recovery(recovery, scaling.loss_scale, OWNER)
-  fell_back = jnp.asarray(recovery.fell_back)
-  finite = jnp.asarray(recovery.finite)
-  recovered = (jnp.asarray(recovery.retries) > 0) | fell_back
-  scaling = scaling._replace(
-      loss_scale=backed_off_after_fallback(recovery),
-      recovered_steps=scaling.recovered_steps
-      + (recovered & finite).astype(jnp.int32),
-      fallback_steps=scaling.fallback_steps + (fell_back & finite).astype(jnp.int32),
-  )
-  return computed_at(recovery), scaling
 

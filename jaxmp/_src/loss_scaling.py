@@ -20,7 +20,6 @@ import optax
 
 from jaxmp._src.inplace_select import check_same_structure, update_or_keep
 from jaxmp._src.loss_scale import LossScale, NoOpLossScale, agree_across, all_finite
-from jaxmp._src.recovery import check_recovery, computed_at
 from jaxmp._src.validation import check_bool, check_number
 
 AxisName = Any  # a hashable axis name or a tuple of them
@@ -37,7 +36,7 @@ class LossScalingState(NamedTuple):
     skipped_steps: int32, the number of steps skipped so far.
     last_finite: bool, whether the last step's gradients were finite.
     recovered_steps: int32, the steps whose batch was recovered inside the
-      step (by a backed-off retry or the fallback; see :class:`jaxmp.Recover`).
+      step (by a retry or the fallback of :func:`jaxmp.retry_skipped`).
     fallback_steps: int32, the steps among those recovered by the fallback.
     lost_steps: int32, the steps whose batch was lost: still non-finite after
       any recovery, so skipped (equal to ``skipped_steps``; the name says
@@ -122,11 +121,7 @@ def loss_scaling(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
-    ``update`` are passed through to ``inner``, except ``recovery=``: the
-    :class:`jaxmp.RecoveryInfo` of ``jaxmp.scaled_value_and_grad(...,
-    recover=jaxmp.Recover())``, which makes ``update`` unscale by the scale
-    the gradients were computed at, continue from the backed-off scale and
-    count ``recovered_steps``, ``fallback_steps`` and ``lost_steps``.
+    ``update`` are passed through to ``inner``.
 
   Raises:
     TypeError: if ``loss_scale`` is not a loss scale or ``inner`` not an optax
@@ -212,19 +207,8 @@ def wrap_with_loss_scaling(
       )
     _refuse_fp8_meta(updates, owner)
     check_grads_match_params(updates, params, owner)
-    recovery = extra_args.pop("recovery", None)
-    if recovery is None:
-      current = state.loss_scale
-      unscaled = current.unscale(updates)
-      recovered = fell_back = jnp.zeros([], jnp.bool_)
-    else:
-      recovery = check_recovery(recovery, state.loss_scale, owner)
-      # Unscale by the scale the gradients were computed at; continue from
-      # the backed-off one (see recovery.py).
-      unscaled = computed_at(recovery).unscale(updates)
-      current = recovery.loss_scale
-      fell_back = jnp.asarray(recovery.fell_back)
-      recovered = (jnp.asarray(recovery.retries) > 0) | fell_back
+    current = state.loss_scale
+    unscaled = current.unscale(updates)
     grads, finite = clip_and_check(unscaled, clip_global_norm)
     if not guard:
       inner_updates, inner_state = inner.update(
@@ -235,17 +219,11 @@ def wrap_with_loss_scaling(
         lambda g, s, p: inner.update(g, s, p, **extra_args),
         finite, grads, state.inner_state, params)
     lost = jnp.logical_not(finite).astype(jnp.int32)
-    new_state = LossScalingState(
+    new_state = state._replace(
         inner_state=inner_state,
-        # Each attempt that overflowed in the training precision backs the
-        # scale off once: the fallback's success is not one of its steps.
-        loss_scale=current.adjust(
-            finite if recovery is None else finite & jnp.logical_not(fell_back)),
+        loss_scale=current.adjust(finite),
         skipped_steps=state.skipped_steps + lost,
         last_finite=finite,
-        recovered_steps=state.recovered_steps
-        + (recovered & finite).astype(jnp.int32),
-        fallback_steps=state.fallback_steps + (fell_back & finite).astype(jnp.int32),
         lost_steps=state.lost_steps + lost,
     )
     return updates, new_state
@@ -627,8 +605,8 @@ def loss_scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
   * ``steps_since_adjustment`` (int32): the dynamic scale's counter (0 for
     the others);
   * ``recovered_steps`` (int32): steps whose batch was recovered inside the
-    step, by a backed-off retry or the fallback (see :class:`jaxmp.Recover`;
-    0 without recovery), cumulative;
+    step, by a retry or the fallback of :func:`jaxmp.retry_skipped` (0
+    without it), cumulative;
   * ``fallback_steps`` (int32): those recovered by the fallback, cumulative;
   * ``lost_steps`` (int32): steps whose batch was lost (non-finite even
     after recovery, so skipped); without recovery, the skipped steps.

@@ -318,29 +318,6 @@ def cast_apply_output(io_policy: "Policy", result: Any,
   return io_policy.cast_to_output(result)
 
 
-# The policy every wrapped apply function runs under while a recovery fallback
-# is traced (jaxmp.Recover(fallback="float32")); None otherwise.
-_APPLY_POLICY_OVERRIDE: contextvars.ContextVar[Any] = contextvars.ContextVar(
-    "jaxmp_apply_policy_override", default=None)
-
-
-@contextlib.contextmanager
-def apply_policy_override(policy: "Policy") -> Iterator[None]:
-  """Within the block, every ``wrap_apply`` function runs under ``policy``.
-
-  Used at trace time by the recovery fallback of
-  :meth:`jaxmp.flax.TrainState.value_and_grad`: the loss function calls
-  ``state.apply_fn``, which was wrapped with the training policy, and must run
-  under the fallback policy instead. A model's own ``dtype=`` declarations
-  still win inside the model.
-  """
-  token = _APPLY_POLICY_OVERRIDE.set(policy)
-  try:
-    yield
-  finally:
-    _APPLY_POLICY_OVERRIDE.reset(token)
-
-
 # Collections that every wrapped apply function adds to its variables (the FP8
 # meta, while jaxmp.flax.TrainState.value_and_grad traces the loss), with a
 # record of whether one used them; None otherwise.
@@ -398,9 +375,6 @@ class WrappedApply:
 
   def __call__(self, *args, **kwargs):
     args = _with_provided_collections(args)
-    override = _APPLY_POLICY_OVERRIDE.get()
-    if override is not None:  # a recovery fallback is being traced
-      return _apply_under(override, self.apply_fn, *args, **kwargs)
     return self._run(self.policy, self.apply_fn, *args, **kwargs)
 
   def _key(self) -> tuple[Any, ...]:

@@ -1,162 +1,99 @@
-"""Recovering a non-finite batch inside the step: ``Recover`` and ``RecoveryInfo``.
+"""Guarding state on a skipped step, and retrying a skipped batch.
 
-:func:`jaxmp.scaled_value_and_grad` (and the Flax helpers) take
-``recover=jaxmp.Recover(...)``. When the gradients at the current loss scale
-are not finite, the same batch is recomputed in the same jitted step: at
-backed-off scales (``loss_scale.adjust(False)`` once per retry, as if each
-overflow had happened on a step of its own), then, if still not finite, once
-under a fallback precision at scale 1. The returned :class:`RecoveryInfo`
-tells :func:`jaxmp.loss_scaling` which scale the gradients were computed at.
-
-A finite first attempt costs one scalar predicate: the recompute sits in a
-``lax.while_loop`` (and a ``lax.cond``) whose body does not run.
+Both read the one :class:`jaxmp.LossScalingState` of a state, wherever it
+sits: whether the last update was applied (``last_finite``) decides what
+:func:`keep_on_skip` keeps, and what :func:`retry_skipped` retries. The loss
+scale's transitions stay in :func:`jaxmp.loss_scaling`'s update: a retry is the
+user's own step, run again from the step's original state with only the loss
+scale replaced by the one the skip backed off to.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, NamedTuple
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp._src.hardware import hardware_report
-from jaxmp._src.loss_scale import (
-    LossScale,
-    NoOpLossScale,
-    StaticLossScale,
-    agree_across,
-    all_finite,
-)
-from jaxmp._src.policy import Policy, get_policy
+from jaxmp._src.inplace_select import check_same_structure
+from jaxmp._src.loss_scale import LossScale, NoOpLossScale, StaticLossScale
+from jaxmp._src.loss_scaling import _find_state, loss_scaling_states_with_path
 from jaxmp._src.validation import check_number
 
-# Each retry adds a recompute to the compiled step's code only once (it is a
-# loop), but a run that needs more than this many backoffs has a broken scale.
+# A run that needs more backoffs than this in one step has a broken scale.
 MAX_RETRIES = 64
 
 
-@dataclasses.dataclass(frozen=True)
-class Recover:
-  """How to recover a batch whose gradients are not finite, inside the step.
+def keep_on_skip(opt_state: Any, new: Any, old: Any) -> Any:
+  """``new`` where the last update was applied, ``old`` where it was skipped.
 
-  Pass it as ``recover=`` to :func:`jaxmp.scaled_value_and_grad`,
-  :meth:`jaxmp.flax.TrainState.value_and_grad` or
-  :func:`jaxmp.flax.nnx_scaled_value_and_grad`, or to the whole-step forms
-  :func:`jaxmp.recovering_step`, :func:`jaxmp.flax.recovering_train_step`
-  and :func:`jaxmp.flax.nnx_recovering_step`. Frozen and hashable: it is
-  static configuration (a ``jax.jit`` static argument is fine).
+  The one way to guard state that the optimizer does not own (BatchNorm
+  statistics, EMA params, FP8 meta, NNX variables): on a step that
+  :func:`jaxmp.loss_scaling` skipped, ``old`` comes back bit-identical. The
+  flag is the ``last_finite`` of the loss-scaling state in ``opt_state``,
+  found wherever it sits (a chain, ``inject_hyperparams``, ``MultiSteps``,
+  an ``nnx.Optimizer``, a :class:`jaxmp.flax.TrainState`); the choice is a
+  ``jnp.where`` per leaf, with no host synchronisation. Call it after the
+  optimizer's update. Leaves of ``new`` in another dtype are cast to
+  ``old``'s, so that a jitted step does not retrace.
 
-  When the gradients at the current loss scale are not finite, the same
-  batch is recomputed inside the same jitted step:
+  Args:
+    opt_state: the optimizer state after this step's update (or anything
+      holding it).
+    new: the values this step computed.
+    old: the values before the step: the same structure and shapes.
 
-  1. at backed-off scales, up to ``max_retries`` times: before each retry the
-     scale takes one ``adjust(False)``, exactly as if that overflow had
-     happened on a step of its own (with hysteresis, the scale backs off only
-     once the budget is used, as it would over several steps). Only a
-     :class:`jaxmp.DynamicLossScale` changes on ``adjust(False)``, so static
-     and no-op scales skip this stage;
-  2. then, if still not finite and ``fallback`` is given, once in the
-     fallback precision at scale 1.
-
-  Only a batch still non-finite after that (bad data: nan inputs) is skipped,
-  as without recovery.
-
-  Attributes:
-    max_retries: how many backed-off recomputes to try (0 goes straight to
-      the fallback). Default 4: with the default backoff factor of 0.5, the
-      gradients are tried down to 2**-4 of the current scale.
-    fallback: None (no fallback), a policy spec (anything
-      :func:`jaxmp.get_policy` takes, e.g. ``"float32"`` or
-      ``"mixed_bfloat16"``), used by :meth:`jaxmp.flax.TrainState.value_and_grad`,
-      which runs the loss under that policy; or a callable with the loss
-      function's signature that computes the loss in the fallback precision,
-      for :func:`jaxmp.scaled_value_and_grad` and the NNX helper. A policy
-      must compute in float32 or bfloat16; bfloat16 is refused (when the
-      value-and-grad is built) where :func:`jaxmp.hardware_report` says it is
-      not native.
-    axis_name: inside ``pmap`` or ``shard_map``, the axis name (or tuple of
-      names) over which the batch is split, so that all devices agree on each
-      retry (the finiteness flag is reduced with ``pmin``). Not needed under
-      plain ``jit`` with sharded arrays, where the check is already global.
+  Returns:
+    ``new`` or ``old``, leaf by leaf, in ``old``'s dtypes.
 
   Raises:
-    TypeError: if ``max_retries`` is not an integer, or ``fallback`` is not
-      None, a policy spec or a callable.
-    ValueError: if ``max_retries`` is out of range, or ``fallback`` names an
-      unknown policy, or one that computes in float16 or float8.
+    ValueError: if ``opt_state`` holds no loss-scaling state (or more than
+      one), or ``new`` and ``old`` differ in structure or shapes.
 
   Example:
-    >>> import jaxmp
-    >>> recover = jaxmp.Recover(max_retries=2, fallback="float32")
-    >>> recover.max_retries, str(recover.fallback)
-    (2, 'p=f32,c=f32,o=f32')
+    >>> import jax.numpy as jnp, optax, jaxmp
+    >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale())
+    >>> opt_state = tx.init(jnp.ones(2))
+    >>> _, opt_state = tx.update(jnp.array([jnp.inf, 0.0]), opt_state)  # skipped
+    >>> stats = {"mean": jnp.zeros(2)}
+    >>> jaxmp.keep_on_skip(opt_state, {"mean": jnp.full(2, jnp.inf)}, stats)
+    {'mean': Array([0., 0.], dtype=float32)}
   """
+  applied = jnp.asarray(_find_state(opt_state, "jaxmp.keep_on_skip").last_finite)
+  check_same_structure(
+      new, old, owner="jaxmp.keep_on_skip",
+      names=("the new value", "the old value"),
+      fix="A skipped step keeps the old value, so the new one must have its "
+      "structure and shapes: pass the updated collection itself (e.g. "
+      "updates['batch_stats'], not the dict that holds it).")
 
-  max_retries: int = 4
-  fallback: Any = None
-  axis_name: Any = None
+  def select(new_leaf, old_leaf):
+    new_leaf, old_leaf = jnp.asarray(new_leaf), jnp.asarray(old_leaf)
+    return jnp.where(applied, new_leaf.astype(old_leaf.dtype), old_leaf)
 
-  def __post_init__(self):
-    object.__setattr__(self, "max_retries", check_number(
-        "jaxmp.Recover", "max_retries", self.max_retries, integer=True,
-        minimum=0, maximum=MAX_RETRIES,
-        advice="Pass how many backed-off recomputes to try, e.g. 4; 0 goes "
-        "straight to the fallback."))
-    fallback = self.fallback
-    if fallback is not None and (isinstance(fallback, Policy) or not callable(fallback)):
-      try:
-        fallback = get_policy(fallback)
-      except (TypeError, ValueError) as error:
-        raise type(error)(
-            f"jaxmp.Recover(fallback={self.fallback!r}): the fallback must be "
-            "None, a policy spec such as 'float32' or 'mixed_bfloat16', or a "
-            "function with the loss function's signature that computes in the "
-            f"fallback precision. ({error})") from None
-      compute = np.dtype(fallback.compute_dtype)
-      if compute.itemsize < 2 or compute == np.dtype(jnp.float16):
-        raise ValueError(
-            f"jaxmp.Recover(fallback={self.fallback!r}) computes in {compute}, "
-            "which overflows at scale 1 sooner than the run it would rescue. "
-            "Fall back to 'float32', or to 'mixed_bfloat16' where bfloat16 is "
-            "native.")
-      object.__setattr__(self, "fallback", fallback)
-    try:
-      hash(self.fallback)
-      hash(self.axis_name)
-    except TypeError:
-      raise TypeError(
-          "jaxmp.Recover is static configuration, so its fallback and "
-          "axis_name must be hashable; got "
-          f"fallback={self.fallback!r}, axis_name={self.axis_name!r}. Pass a "
-          "plain function (not a functools.partial of arrays) and a string "
-          "or tuple of strings.") from None
+  return jax.tree_util.tree_map(select, new, old)
 
 
 class RecoveryInfo(NamedTuple):
-  """What a recovering value-and-grad did: pass it to the optimizer's update.
-
-  A pytree of scalar arrays (and a loss scale), returned as the third element
-  by :func:`jaxmp.scaled_value_and_grad` with ``recover=``; pass it on as
-  ``tx.update(grads, opt_state, params, recovery=recovery)``.
+  """What a step built by :func:`jaxmp.retry_skipped` did.
 
   Attributes:
-    loss_scale: the loss scale after the retries' backoffs: the scale the
-      returned gradients were computed at, unless ``fell_back`` (then they
-      were computed at scale 1).
-    retries: int32, how many backed-off recomputes ran.
-    fell_back: bool, whether the returned gradients come from the fallback.
-    finite: bool, whether the returned gradients are all finite (agreed over
-      ``axis_name``).
+    loss_scale: the loss scale the applied attempt (or the last one, if the
+      batch was lost) ran at.
+    retries: int32, how many times the step ran again after a skip.
+    fell_back: bool, whether the fallback step ran.
+    finite: bool, whether an update was applied; false when the batch was
+      lost.
 
   Example:
     >>> import jax.numpy as jnp, jaxmp
-    >>> fun = lambda w: jnp.sum(w.astype(jnp.float16) * 3.0)  # fp16 grads
-    >>> loss, grads, info = jaxmp.scaled_value_and_grad(
-    ...     fun, jaxmp.DynamicLossScale(2.0**16), recover=jaxmp.Recover())(jnp.ones(2))
-    >>> int(info.retries), float(info.loss_scale.loss_scale), bool(info.finite)
-    (2, 16384.0, True)
+    >>> info = jaxmp.RecoveryInfo(jaxmp.StaticLossScale(8.0), jnp.int32(0),
+    ...                           jnp.bool_(False), jnp.bool_(True))
+    >>> int(info.retries), bool(info.finite)
+    (0, True)
   """
 
   loss_scale: LossScale
@@ -165,161 +102,295 @@ class RecoveryInfo(NamedTuple):
   finite: jax.Array
 
 
-def check_recover(recover: Any, caller: str, *, optional: bool = True,
-                  fallback: str = "'float32'") -> Recover:
-  """``recover`` if it is a :class:`Recover`; refuses anything else.
+def _simple(path) -> str:
+  """A key path as ``a/b/0``, whatever kinds of keys name its steps."""
+  names = []
+  for key in path:
+    for attribute in ("name", "key", "idx"):
+      if hasattr(key, attribute):
+        names.append(str(getattr(key, attribute)))
+        break
+    else:
+      names.append(jax.tree_util.keystr((key,), simple=True))
+  return "/".join(names)
 
-  ``optional`` says whether the caller also takes ``recover=None``, and
-  ``fallback`` is the fallback its example shows (a function where policies
-  are not accepted).
+
+class _Layout(NamedTuple):
+  """Where the loss-scaling state's leaves sit among a state's flat leaves."""
+
+  scale: tuple[int, ...]  # the loss scale's leaves
+  finite: int  # last_finite
+  recovered: int  # recovered_steps
+  fallback: int  # fallback_steps
+  retried: tuple[bool, ...]  # which leaves a retry takes from the attempt
+
+
+def _layout(state_with_objects: Any, pure: Any) -> _Layout:
+  """The layout of ``pure``'s leaves; the state is found in ``state_with_objects``.
+
+  ``pure`` is ``state_with_objects`` itself, or the ``nnx.State`` of its NNX
+  objects: their leaf paths name the same attributes.
   """
-  if not isinstance(recover, Recover):
+  [(path, found)] = loss_scaling_states_with_path(state_with_objects)
+  prefix = _simple(path)
+  leaves = jax.tree_util.tree_flatten_with_path(pure)[0]
+  names = [_simple(p) for p, _ in leaves]
+
+  def under(field):
+    start = f"{prefix}/{field}" if prefix else field
+    return [i for i, n in enumerate(names) if n == start or n.startswith(start + "/")]
+
+  # The loss scale's leaves in its own order (NNX sorts them by name).
+  scale = []
+  for field_path, _ in jax.tree_util.tree_flatten_with_path(
+      _plain(found.loss_scale))[0]:
+    [index] = under("loss_scale/" + _simple(field_path))
+    scale.append(index)
+  scale = tuple(scale)
+  # A retry runs from the step's original state, but for the loss scale and
+  # the floating arrays (params, moments, statistics), which it takes from the
+  # skipped attempt: a skip leaves those bit-identical, and so XLA carries
+  # them through the retries in place. Counters, keys and scalars are the
+  # original's, so they advance once per step.
+  retried = tuple(
+      i in scale or (_is_array(leaf) and np.size(leaf) > 1
+                     and jnp.issubdtype(jnp.result_type(leaf), jnp.floating))
+      for i, (_, leaf) in enumerate(leaves))
+  [finite], [recovered], [fallback] = (
+      under("last_finite"), under("recovered_steps"), under("fallback_steps"))
+  return _Layout(scale, finite, recovered, fallback, retried)
+
+
+def _check_retry_options(max_retries: Any, fallback: Any) -> int:
+  max_retries = check_number(
+      "jaxmp.retry_skipped", "max_retries", max_retries, integer=True,
+      minimum=0, maximum=MAX_RETRIES,
+      advice="Pass how many times to run a skipped step again, e.g. 4; 0 "
+      "goes straight to the fallback.")
+  if fallback is not None and not callable(fallback):
     raise TypeError(
-        f"{caller}(recover={recover!r}): recover must be a jaxmp.Recover, e.g. "
-        f"recover=jaxmp.Recover(max_retries=4, fallback={fallback})"
-        + (", or None." if optional else "."))
-  return recover
+        f"jaxmp.retry_skipped(fallback={fallback!r}): the fallback must be a "
+        "step with the same signature as the step, e.g. the same step under a "
+        "wider policy (fallback=train_step_float32), or None.")
+  return max_retries
 
 
-def fallback_policy(recover: Recover, caller: str) -> Policy | None:
-  """The fallback policy of ``recover`` (or None); refuses bf16 where not native."""
-  policy = recover.fallback
-  if not isinstance(policy, Policy):
-    return None
-  if (np.dtype(policy.compute_dtype) == np.dtype(jnp.bfloat16)
-      and not hardware_report().native_bfloat16):
-    report = hardware_report()
+def _refuse_accumulation(state: Any) -> None:
+  [(path, _)] = loss_scaling_states_with_path(state)
+  if any(getattr(key, "name", None) == "inner_opt_state" for key in path):
     raise ValueError(
-        f"{caller}: the recovery fallback {policy} computes in bfloat16, which "
-        f"is not native on this {report.platform} device (see "
-        "jaxmp.hardware_report()): it would be emulated, slowly. Fall back to "
-        "'float32' here: jaxmp.Recover(fallback='float32').")
-  return policy
+        "jaxmp.retry_skipped: the loss-scaling state sits inside gradient "
+        "accumulation (optax.MultiSteps or jaxmp.multi_steps). A skip there "
+        "drops the gradients of every micro-batch of the accumulated step, "
+        "and a retry could only recompute the last one. Retry a step without "
+        "accumulation, or let the accumulated step be skipped (the scale "
+        "backs off once and the next accumulation starts clean).")
 
 
-def agreed_finite(grads: Any, axis_name: Any, caller: str) -> jax.Array:
-  """``all_finite(grads)``, reduced with ``pmin`` over ``axis_name`` if given."""
-  return agree_across(
-      all_finite(grads), axis_name,
-      f"{caller}(recover=jaxmp.Recover(axis_name={axis_name!r})): that axis "
-      "name is not bound here. Call it inside jax.shard_map or jax.pmap over "
-      "that axis, or drop axis_name under plain jax.jit, where the check over "
-      "sharded arrays is already global.")
+def retry_skipped(
+    step: Callable[..., tuple[Any, Any]],
+    *,
+    max_retries: int = 4,
+    fallback: Callable[..., tuple[Any, Any]] | None = None,
+) -> Callable[..., tuple[Any, Any, RecoveryInfo]]:
+  """Runs a train step again, inside the same step, when it was skipped.
 
+  ``step(state, *args, **kwargs) -> (state, aux)`` is your own train step,
+  for any framework; ``state`` is any pytree that holds one
+  :class:`jaxmp.LossScalingState` (``(params, opt_state)``, a
+  :class:`jaxmp.flax.TrainState`), or NNX objects (a model and its
+  ``nnx.Optimizer``), which the returned step splits and merges itself and
+  updates in place.
 
-def _cast_like(tree: Any, like: Any) -> Any:
-  return jax.tree_util.tree_map(
-      lambda x, y: jnp.asarray(x).astype(jnp.result_type(y)), tree, like)
+  When the loss-scaling optimizer skipped the update because the gradients
+  were not finite, the step runs again from the step's original state with
+  only the loss scale replaced by the one the skip backed off to, up to
+  ``max_retries`` times (not for static and no-op scales, which a skip does
+  not change); then, if still skipped, ``fallback`` (a step of the same
+  signature, e.g. the same step under a wider policy) runs once the same way.
+  Only a batch still non-finite after that is lost, and leaves the state as a
+  plain skipped step does.
 
+  * **A finite step is the plain step**, bit for bit: the step is the body of
+    a ``lax.while_loop`` whose first iteration is the step itself, and that
+    carries the floating arrays in place, so the compiled program reads,
+    writes and holds what the plain step does.
+  * **Counters advance once per step.** A retry takes the state's integer,
+    key and scalar leaves (a ``TrainState``'s ``step``, an
+    ``inject_hyperparams`` schedule's count, NNX RNG counts) from the
+    original state; its floating arrays (params, optimizer moments, and the
+    statistics you guard with :func:`jaxmp.keep_on_skip`) come from the
+    skipped attempt, which leaves them bit-identical. Guard every array your
+    step writes with :func:`jaxmp.keep_on_skip`, as without retries.
+  * **The metrics** count a recovered batch in ``recovered_steps`` (and in
+    ``fallback_steps`` when the fallback ran), and a lost one in
+    ``lost_steps`` and ``skipped_steps``.
 
-def like_the_attempt(fallback_result: tuple[Any, Any], attempt_result: tuple[Any, Any],
-                     caller: str) -> tuple[Any, Any]:
-  """The fallback's ``(out, grads)`` cast to the dtypes of the attempt's.
+  Accumulation is refused: a skip inside ``optax.MultiSteps`` or
+  :func:`jaxmp.multi_steps` drops every micro-batch of the accumulated step,
+  and a retry could only recompute the last.
+
+  Args:
+    step: the train step, ``step(state, *args, **kwargs) -> (state, aux)``;
+      the state it returns has the structure of the one it takes.
+    max_retries: how many times to run a skipped step again (0 goes straight
+      to the fallback). Default 4: down to ``2**-4`` of the scale with the
+      default backoff.
+    fallback: None, or a step of ``step``'s signature to run once after the
+      retries.
+
+  Returns:
+    ``recovering_step(state, *args, **kwargs)`` returning ``(state, aux,
+    info)``, where ``info`` is a :class:`jaxmp.RecoveryInfo`.
 
   Raises:
-    ValueError: if the fallback's gradients have another structure.
+    TypeError: if ``max_retries`` is not an integer, or ``fallback`` not
+      callable.
+    ValueError: if ``max_retries`` is out of range; when called, if the
+      state holds no loss-scaling state (or more than one), or holds it
+      inside gradient accumulation.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, jaxmp
+    >>> tx = jaxmp.loss_scaling(optax.sgd(1e-6), jaxmp.DynamicLossScale(2.0**16))
+    >>> loss_fn = lambda w: jnp.sum(w.astype(jnp.float16) * 3.0)  # fp16 grads
+    >>> def train_step(state):
+    ...   params, opt_state = state
+    ...   loss, grads = jaxmp.scaled_value_and_grad(
+    ...       loss_fn, jaxmp.get_loss_scale(opt_state))(params)
+    ...   updates, opt_state = tx.update(grads, opt_state, params)
+    ...   return (optax.apply_updates(params, updates), opt_state), loss
+    >>> step = jax.jit(jaxmp.retry_skipped(train_step))
+    >>> w = jnp.ones(2)
+    >>> (w, opt_state), loss, info = step((w, tx.init(w)))
+    >>> int(info.retries), float(info.loss_scale.loss_scale), bool(info.finite)
+    (2, 16384.0, True)
+    >>> int(jaxmp.loss_scaling_metrics(opt_state)["recovered_steps"])
+    1
   """
-  (fb_out, fb_grads), (out, grads) = fallback_result, attempt_result
-  if (jax.tree_util.tree_structure(fb_grads)
-      != jax.tree_util.tree_structure(grads)):
-    raise ValueError(
-        f"{caller}: the recovery fallback's gradients have the structure "
-        f"{jax.tree_util.tree_structure(fb_grads)}, but the loss "
-        f"function's have {jax.tree_util.tree_structure(grads)}. The "
-        "fallback must take the same arguments and return the same kind "
-        "of loss (and aux) as the loss function.")
-  return _cast_like(fb_out, out), _cast_like(fb_grads, grads)
-
-
-def recovering(
-    attempt: Callable[[LossScale], tuple[Any, Any]],
-    fallback_attempt: Callable[[], tuple[Any, Any]] | None,
-    loss_scale: LossScale,
-    recover: Recover,
-    caller: str,
-) -> tuple[Any, Any, RecoveryInfo]:
-  """Runs ``attempt(loss_scale)`` and, while not finite, the recovery.
-
-  ``attempt(scale)`` returns ``(out, grads)`` computed at ``scale`` (``out``
-  may hold anything the attempt wants carried, e.g. NNX state);
-  ``fallback_attempt()`` the same at scale 1 in the fallback precision (its
-  results are cast to the first attempt's dtypes). Returns
-  ``(out, grads, RecoveryInfo)``.
-  """
-  loss_scale = jax.tree_util.tree_map(jnp.asarray, loss_scale)
-  out, grads = attempt(loss_scale)
-  finite = agreed_finite(grads, recover.axis_name, caller)
-  carry = (loss_scale, jnp.zeros([], jnp.int32), out, grads, finite)
-  retries_change_scale = not isinstance(loss_scale, (StaticLossScale, NoOpLossScale))
-  if recover.max_retries > 0 and retries_change_scale:
-
-    def not_yet(carry):
-      _, retries, _, _, finite = carry
-      return jnp.logical_not(finite) & (retries < recover.max_retries)
-
-    def retry(carry):
-      scale, retries, _, _, _ = carry
-      scale = scale.adjust(jnp.zeros([], jnp.bool_))
-      out, grads = attempt(scale)
-      return (scale, retries + 1, out, grads,
-              agreed_finite(grads, recover.axis_name, caller))
-
-    carry = jax.lax.while_loop(not_yet, retry, carry)
-  fell_back = jnp.zeros([], jnp.bool_)
-  if fallback_attempt is not None:
-
-    def keep(carry):
-      return carry + (jnp.zeros([], jnp.bool_),)
-
-    def fall_back(carry):
-      scale, retries, out, grads, _ = carry
-      fb_out, fb_grads = like_the_attempt(fallback_attempt(), (out, grads), caller)
-      return (scale, retries, fb_out, fb_grads,
-              agreed_finite(fb_grads, recover.axis_name, caller),
-              jnp.ones([], jnp.bool_))
-
-    scale, retries, out, grads, finite, fell_back = jax.lax.cond(
-        carry[-1], keep, fall_back, carry)
-  else:
-    scale, retries, out, grads, finite = carry
-  return out, grads, RecoveryInfo(
-      loss_scale=scale, retries=retries, fell_back=fell_back, finite=finite)
-
-
-def check_recovery(recovery: Any, loss_scale: LossScale, owner: str) -> RecoveryInfo:
-  """Refuses a ``recovery`` that is not a :class:`RecoveryInfo` of this scale."""
-  if not isinstance(recovery, RecoveryInfo):
+  if not callable(step):
     raise TypeError(
-        f"{owner}'s update: recovery must be the jaxmp.RecoveryInfo that "
-        "jaxmp.scaled_value_and_grad(..., recover=jaxmp.Recover()) returned "
-        f"as its third result; got a {type(recovery).__name__}.")
-  theirs = getattr(recovery.loss_scale, "config", None)
-  if not isinstance(recovery.loss_scale, LossScale) or theirs() != loss_scale.config():
-    raise ValueError(
-        f"{owner}'s update: the recovery's loss scale "
-        f"({getattr(recovery.loss_scale, 'config', lambda: recovery.loss_scale)()}) "
-        f"is not the optimizer's ({loss_scale.config()}). Compute the "
-        "gradients at the optimizer's scale: "
-        "jaxmp.scaled_value_and_grad(loss_fn, jaxmp.get_loss_scale(opt_state), "
-        "recover=...).")
-  return recovery
+        f"jaxmp.retry_skipped expects your train step, step(state, *batch) "
+        f"-> (state, aux); got {step!r}.")
+  max_retries = _check_retry_options(max_retries, fallback)
+
+  @functools.wraps(step)
+  def recovering_step(state, *args, **kwargs):
+    scaling = _find_state(state, "jaxmp.retry_skipped")
+    _refuse_accumulation(state)
+    retries_help = not isinstance(
+        scaling.loss_scale, (StaticLossScale, NoOpLossScale))
+    nnx_objects = _holds_nnx_objects(state)
+    if nnx_objects:
+      # NNX objects cannot be carried by a loop: their arrays are.
+      from jaxmp._src.flax import nnx as nnx_adapter  # pylint: disable=g-import-not-at-top
+
+      pure, as_pure_step, write_back = nnx_adapter.split_for_loop(state)
+
+      def as_step(fn):
+        return as_pure_step(lambda objects: fn(objects, *args, **kwargs))
+    else:
+      pure = state
+
+      def as_step(fn):
+        return lambda pure_state: fn(pure_state, *args, **kwargs)
+
+    layout = _layout(state, pure)
+    leaves, treedef = jax.tree_util.tree_flatten(pure)
+    # The loop carries the arrays; other leaves (an Equinox module's
+    # functions) are static, the original's.
+    dynamic = [_is_array(leaf) for leaf in leaves]
+    position = {i: k for k, i in enumerate(
+        i for i, d in enumerate(dynamic) if d)}
+    retried = [r for r, d in zip(layout.retried, dynamic) if d]
+    original = [leaf for leaf, d, r in zip(leaves, dynamic, layout.retried)
+                if d and not r]
+
+    def tree_of(arrays):
+      it = iter(arrays)
+      return jax.tree_util.tree_unflatten(
+          treedef, [next(it) if d else leaf for leaf, d in zip(leaves, dynamic)])
+
+    def arrays_of(tree):
+      return [x for x, d in zip(jax.tree_util.tree_leaves(tree), dynamic) if d]
+
+    def start_from(arrays):
+      """The state a (re)try runs from: see _layout."""
+      kept = iter(original)
+      return [a if r else next(kept) for a, r in zip(arrays, retried)]
+
+    def scale_of(arrays):
+      return [jnp.asarray(arrays[position[i]]) for i in layout.scale]
+
+    def applied(arrays):
+      return jnp.asarray(arrays[position[layout.finite]])
+
+    def as_arrays_step(fn):
+      def arrays_step(arrays):
+        new, aux = fn(tree_of(arrays))
+        return arrays_of(new), aux
+      return arrays_step
+
+    attempt = as_arrays_step(as_step(step))
+    fall_back = None if fallback is None else as_arrays_step(as_step(fallback))
+    pure = arrays_of(pure)
+    aux_shape = jax.eval_shape(attempt, pure)[1]
+    # Attempt 0 is the step; 1 to `limit` are the retries; then the fallback.
+    limit = max_retries if retries_help else 0
+    last = limit + (fall_back is not None)
+
+    def again(carry):
+      pure_state, _, attempts, _, _ = carry
+      return (attempts == 0) | (~applied(pure_state) & (attempts <= last))
+
+    def run(carry):
+      pure_state, _, attempts, _, _ = carry
+      start = start_from(pure_state)
+      if fall_back is None:
+        falls_back = jnp.zeros([], jnp.bool_)
+        new, aux = attempt(start)
+      else:
+        falls_back = attempts > limit
+        new, aux = jax.lax.cond(falls_back, fall_back, attempt, start)
+      return new, aux, attempts + 1, scale_of(start), falls_back
+
+    zeros = jax.tree_util.tree_map(
+        lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
+    carry = (pure, zeros, jnp.zeros([], jnp.int32), scale_of(pure),
+             jnp.zeros([], jnp.bool_))
+    pure, aux, attempts, scale, fell_back = jax.lax.while_loop(again, run, carry)
+    finite = applied(pure)
+    retries = attempts - 1 - fell_back.astype(jnp.int32)
+    recovered, fallback_steps = position[layout.recovered], position[layout.fallback]
+    pure[recovered] = pure[recovered] + (
+        finite & ((retries > 0) | fell_back)).astype(jnp.int32)
+    pure[fallback_steps] = pure[fallback_steps] + (
+        finite & fell_back).astype(jnp.int32)
+    pure = tree_of(pure)
+    info = RecoveryInfo(
+        loss_scale=jax.tree_util.tree_unflatten(
+            jax.tree_util.tree_structure(_plain(scaling.loss_scale)), scale),
+        retries=retries, fell_back=fell_back, finite=finite)
+    if nnx_objects:
+      return write_back(pure), aux, info
+    return pure, aux, info
+
+  return recovering_step
 
 
-def backed_off_after_fallback(recovery: RecoveryInfo) -> LossScale:
-  """The recovery's scale, backed off once more where the fallback succeeded.
-
-  The attempt at ``recovery.loss_scale`` overflowed too when the fallback
-  ran; each overflowed attempt backs the scale off once. (Where the fallback
-  failed as well, the optimizer's own backoff for the lost step counts it.)
-  """
-  scale = recovery.loss_scale
-  again = jnp.asarray(recovery.fell_back) & jnp.asarray(recovery.finite)
-  backed_off = scale.adjust(jnp.zeros([], jnp.bool_))
+def _plain(loss_scale: LossScale) -> LossScale:
+  """The loss scale with plain arrays where NNX wraps its leaves in Variables."""
   return jax.tree_util.tree_map(
-      lambda a, b: jnp.where(again, a, b), backed_off, scale)
+      jnp.asarray, loss_scale, is_leaf=lambda x: hasattr(x, "__jax_array__"))
 
 
-def computed_at(recovery: RecoveryInfo) -> StaticLossScale:
-  """A loss scale with the value the gradients were computed at (1 after a fallback)."""
-  value = jnp.asarray(recovery.loss_scale.loss_scale, jnp.float32)
-  return StaticLossScale(jnp.where(recovery.fell_back, jnp.float32(1), value))
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def _holds_nnx_objects(state: Any) -> bool:
+  """Whether ``state`` holds NNX objects (which must be split to be carried)."""
+  def is_nnx(x):
+    return any(c.__module__.startswith("flax.nnx") for c in type(x).__mro__)
+
+  return any(is_nnx(x) for x in jax.tree_util.tree_leaves(state, is_leaf=is_nnx))

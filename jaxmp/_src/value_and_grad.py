@@ -9,8 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp._src.loss_scale import LossScale, NoOpLossScale
-from jaxmp._src.recovery import Recover, check_recover, recovering
+from jaxmp._src.loss_scale import LossScale
 
 _ARRAY_LEAVES = (jax.Array, np.ndarray, np.generic, int, float, complex, bool)
 
@@ -22,7 +21,6 @@ def scaled_value_and_grad(
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     value_and_grad: Callable[..., Any] = jax.value_and_grad,
-    recover: Recover | None = None,
 ) -> Callable[..., Any]:
   """Like ``jax.value_and_grad``, but differentiates the scaled loss.
 
@@ -49,17 +47,10 @@ def scaled_value_and_grad(
     argnums: which positional arguments to differentiate.
     has_aux: whether ``fun`` returns ``(loss, aux)``.
     value_and_grad: the value-and-grad transformation to use.
-    recover: a :class:`jaxmp.Recover` to recompute the same batch, inside the
-      step, when its gradients are not finite: at backed-off scales, then
-      under ``recover.fallback`` (here a function with ``fun``'s signature
-      computing in the fallback precision). Default None: no recovery.
 
   Returns:
     A function with the signature of ``fun`` returning ``(loss, grads)`` or
-    ``((loss, aux), grads)``; with ``recover``, ``(loss, grads, recovery)``
-    (or ``((loss, aux), grads, recovery)``), where ``recovery`` is the
-    :class:`jaxmp.RecoveryInfo` to pass on as ``tx.update(grads, opt_state,
-    params, recovery=recovery)``.
+    ``((loss, aux), grads)``.
 
   Raises:
     TypeError: if ``loss_scale`` is not a loss scale, if ``argnums`` is not 0
@@ -75,26 +66,10 @@ def scaled_value_and_grad(
     ...     loss_fn, jaxmp.StaticLossScale(4.0))(jnp.array([1.0, 2.0]))
     >>> float(loss), grads
     (5.0, Array([ 8., 16.], dtype=float32))
-
-    With ``recover``, a batch whose float16 gradients overflow at ``2**15``
-    is recomputed at ``2**14``, and the optimizer is told so:
-
-    >>> import optax
-    >>> fun = lambda w: jnp.sum(w.astype(jnp.float16) * 3.0)  # fp16 grads
-    >>> tx = jaxmp.loss_scaling(optax.sgd(1e-6), jaxmp.DynamicLossScale(2.0**15))
-    >>> w = jnp.ones(2)
-    >>> state = tx.init(w)
-    >>> loss, grads, recovery = jaxmp.scaled_value_and_grad(
-    ...     fun, jaxmp.get_loss_scale(state), recover=jaxmp.Recover())(w)
-    >>> updates, state = tx.update(grads, state, w, recovery=recovery)
-    >>> int(recovery.retries), float(jaxmp.get_loss_scale(state).loss_scale)
-    (1, 16384.0)
-    >>> int(jaxmp.loss_scaling_metrics(state)["recovered_steps"])
-    1
   """
   return scale_then_differentiate(
       value_and_grad, fun, loss_scale, argnums=argnums, has_aux=has_aux,
-      recover=recover, caller="scaled_value_and_grad",
+      caller="scaled_value_and_grad",
       state_hint="With an optimizer state, pass jaxmp.get_loss_scale(opt_state).")
 
 
@@ -140,8 +115,6 @@ def scale_then_differentiate(
     has_aux: bool,
     caller: str,
     state_hint: str,
-    recover: Recover | None = None,
-    fallback_fun: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
   """``value_and_grad`` (JAX's, NNX's, Equinox's) of ``loss_scale.scale(fun(...))``.
 
@@ -165,38 +138,13 @@ def scale_then_differentiate(
                                  caller=caller)
   grad_at = differentiate(fun)
   check_leaves = value_and_grad is jax.value_and_grad
-  if recover is None:
 
-    def scaled_value_and_grad_fn(*args, **kwargs):
-      if check_leaves:
-        _check_array_leaves(args, argnums, caller)
-      return grad_at(loss_scale, *args, **kwargs)
-
-    return scaled_value_and_grad_fn
-
-  recover = check_recover(recover, caller)
-  fallback = recover.fallback if fallback_fun is None else fallback_fun
-  if fallback is not None and not callable(fallback):
-    raise TypeError(
-        f"{caller}: the recovery fallback {fallback} is a policy, which "
-        f"{caller} cannot apply to an arbitrary loss function. Pass a "
-        "function with the loss function's signature that computes in the "
-        "fallback precision, jaxmp.Recover(fallback=loss_fn_in_float32), or "
-        "use jaxmp.flax.TrainState.value_and_grad, which runs the loss under "
-        "a fallback policy.")
-  fallback_at = None if fallback is None else differentiate(fallback)
-  no_scale = NoOpLossScale()
-
-  def recovering_value_and_grad_fn(*args, **kwargs):
+  def scaled_value_and_grad_fn(*args, **kwargs):
     if check_leaves:
       _check_array_leaves(args, argnums, caller)
-    fallback_attempt = None if fallback_at is None else (
-        lambda: fallback_at(no_scale, *args, **kwargs))
-    return recovering(
-        lambda scale: grad_at(scale, *args, **kwargs), fallback_attempt,
-        loss_scale, recover, caller)
+    return grad_at(loss_scale, *args, **kwargs)
 
-  return recovering_value_and_grad_fn
+  return scaled_value_and_grad_fn
 
 
 def differentiator(value_and_grad: Callable[..., Any], *, argnums: int | Sequence[int],

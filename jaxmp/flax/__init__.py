@@ -1,14 +1,11 @@
 """Flax integration: a loss-scaling ``TrainState``, NNX training, per-module policies.
 
 * :class:`TrainState` wraps a Linen model's optimizer with
-  :func:`jaxmp.loss_scaling` and runs the loss under a policy;
-  :func:`recovering_train_step` builds its step that recovers a non-finite
-  batch inside the step.
+  :func:`jaxmp.loss_scaling` and runs the loss under a policy.
 * For NNX, ``nnx.Optimizer(model, jaxmp.loss_scaling(...), wrt=nnx.Param)``
   works as it is; :func:`nnx_scaled_value_and_grad` gives the scaled gradients
   and :func:`nnx_keep_on_skip` keeps the BatchNorm statistics on skipped steps;
-  :func:`nnx_recovering_step` builds the NNX step that recovers a non-finite
-  batch inside the step; under an FP8 policy the scales and amax histories
+  under an FP8 policy the scales and amax histories
   of the NNX FP8 ops are :class:`Fp8Meta` variables.
 * :class:`ModulePolicy` runs chosen modules (``nn.LayerNorm``, ``"head"``) under
   their own policy, for Linen and NNX models.
@@ -32,18 +29,14 @@ from jaxmp._src.flax import fallback as _fallback  # noqa: F401  (registers the 
 from jaxmp._src.flax.fp8_nnx import Fp8Meta
 from jaxmp._src.flax.module_policy import ModulePolicy
 from jaxmp._src.flax.nnx import nnx_keep_on_skip, nnx_scaled_value_and_grad
-from jaxmp._src.flax.nnx_recovering_step import nnx_recovering_step
 from jaxmp._src.flax.promotion import OverflowReport, find_overflowing_modules
-from jaxmp._src.flax.recovering_train_step import recovering_train_step
 from jaxmp._src.flax.train_state import TrainState
 
 __all__ = [
     "TrainState",
-    "recovering_train_step",
     "ModulePolicy",
     "nnx_scaled_value_and_grad",
     "nnx_keep_on_skip",
-    "nnx_recovering_step",
     "Fp8Meta",
     "save_checkpoint",
     "restore_checkpoint",

@@ -15,12 +15,11 @@ from jaxmp._src.autocast import autocast_returning_state
 from jaxmp._src.flax.fp8 import (
     in_step_units, keep_meta_of_ops_that_did_not_run, skip_unless_meta_finite)
 from jaxmp._src.flax.fp8_nnx import Fp8Meta
-from jaxmp._src.loss_scale import LossScale, NoOpLossScale
+from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.loss_scaling import _find_state
 from jaxmp._src.policy import Policy, get_policy
 from jaxmp._src.precision_audit import warn_on_first_trace
-from jaxmp._src.recovery import Recover, check_recover, recovering
-from jaxmp._src.value_and_grad import differentiator, scale_then_differentiate
+from jaxmp._src.value_and_grad import scale_then_differentiate
 
 
 def nnx_scaled_value_and_grad(
@@ -29,7 +28,6 @@ def nnx_scaled_value_and_grad(
     *,
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
-    recover: Recover | None = None,
     autocast: Any = False,
 ) -> Callable[..., Any]:
   """Like ``nnx.value_and_grad``, but differentiates the scaled loss.
@@ -74,19 +72,6 @@ def nnx_scaled_value_and_grad(
       ``jaxmp.get_loss_scale(optimizer.opt_state)``.
     argnums: which positional arguments to differentiate.
     has_aux: whether ``fun`` returns ``(loss, aux)``.
-    recover: a :class:`jaxmp.Recover` to recompute the batch inside the step
-      when its gradients are not finite (see
-      :func:`jaxmp.scaled_value_and_grad`). Its ``fallback`` must be a
-      function with ``fun``'s signature computing in the fallback precision
-      (an NNX model fixes its dtype in its layers, so a policy cannot be
-      applied from outside). Each attempt runs on a copy of the arguments;
-      the variable updates of the attempt whose gradients are returned
-      (BatchNorm statistics) are written back to the model. Pass the
-      returned ``recovery`` on: ``optimizer.update(model, grads,
-      recovery=recovery)`` (``nnx.Optimizer`` passes it to the optimizer).
-      With ``autocast``, the fallback runs as given (not under autocast).
-      :func:`jaxmp.flax.nnx_recovering_step` builds the whole step with the
-      retries instead, at no cost on a finite step.
     autocast: ``False`` (the default) to run ``fun`` as written, or the
       policy to run it under :func:`jaxmp.autocast` with: a
       :class:`jaxmp.Policy` or anything :func:`jaxmp.get_policy` accepts
@@ -95,15 +80,14 @@ def nnx_scaled_value_and_grad(
 
   Returns:
     A function with the signature of ``fun`` returning ``(loss, grads)`` or
-    ``((loss, aux), grads)``; with ``recover``, ``(loss, grads, recovery)``.
+    ``((loss, aux), grads)``.
 
   Raises:
-    TypeError: if ``loss_scale`` is not a loss scale, ``recover`` has a
-      policy fallback, or ``autocast`` is ``True`` or not a policy.
+    TypeError: if ``loss_scale`` is not a loss scale, or ``autocast`` is
+      ``True`` or not a policy.
     ValueError: if ``autocast`` is a string :func:`jaxmp.get_policy` does
       not accept; when called with FP8 meta, outside
-      :func:`jaxmp.flax.nnx_keep_on_skip` or with ``recover`` or
-      ``autocast``.
+      :func:`jaxmp.flax.nnx_keep_on_skip` or with ``autocast``.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
@@ -130,15 +114,12 @@ def nnx_scaled_value_and_grad(
   model_fun = fun
   if autocast_policy is not None:
     fun = _under_autocast(fun, autocast_policy)
-  if recover is None:
-    grad_fn = scale_then_differentiate(
-        nnx.value_and_grad, fun, loss_scale, argnums=argnums, has_aux=has_aux,
-        caller=_CALLER, state_hint=_STATE_HINT)
-  else:
-    grad_fn = _recovering(fun, loss_scale, argnums, has_aux, recover)
+  grad_fn = scale_then_differentiate(
+      nnx.value_and_grad, fun, loss_scale, argnums=argnums, has_aux=has_aux,
+      caller=_CALLER, state_hint=_STATE_HINT)
   # A model with FP8 ops (set_nnx_dtypes under "mixed_fp8") takes another way.
   grad_fn = _with_fp8_meta(grad_fn, model_fun, loss_scale, argnums, has_aux,
-                           refused=_fp8_refusal(recover, autocast_policy))
+                           refused=_fp8_refusal(autocast_policy))
 
   def on_a_copy(args, kwargs):  # the audit traces a copy: the model is untouched
     graphdef, state = nnx.split((args, kwargs))
@@ -165,12 +146,8 @@ def _kept_meta() -> list[Any]:
   return _KEEPING.stack
 
 
-def _fp8_refusal(recover: Any, autocast_policy: Any) -> str | None:
+def _fp8_refusal(autocast_policy: Any) -> str | None:
   """Why a model with FP8 meta cannot take these options, or None."""
-  if recover is not None:
-    return ("recover=... is not supported with FP8 meta: a retry at a "
-            "backed-off scale would need the meta in that scale's units. Leave "
-            "recover out; a skipped step keeps the meta (in nnx_keep_on_skip).")
   if autocast_policy is not None:
     return ("autocast cannot run FP8 matmuls: it casts each operation, and "
             "the FP8 ops keep per-tensor scales. Leave autocast off; "
@@ -295,65 +272,6 @@ def _under_autocast(fun: Callable[..., Any], policy: Policy) -> Callable[..., An
   return autocast_fun
 
 
-def _recovering(fun, loss_scale, argnums, has_aux, recover):
-  """The recovering NNX value-and-grad: every attempt on a copy of the arguments.
-
-  A retry runs inside ``lax.while_loop``, where NNX objects of the outer
-  trace cannot be updated; so each attempt merges a fresh copy from the
-  split state, and the state the chosen attempt leaves is written back once,
-  at the end.
-  """
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-
-  caller = "nnx_scaled_value_and_grad"
-  if not isinstance(loss_scale, LossScale):
-    raise TypeError(
-        f"{caller} expects a loss scale as its second argument, got a "
-        f"{type(loss_scale).__name__}. With an nnx.Optimizer, pass "
-        "jaxmp.get_loss_scale(optimizer.opt_state).")
-  recover = check_function_fallback(
-      check_recover(recover, caller, fallback="loss_fn_f32"), caller)
-  differentiate = differentiator(
-      nnx.value_and_grad, argnums=argnums, has_aux=has_aux, caller=caller)
-  grad_at = differentiate(fun)
-  fallback_at = None if recover.fallback is None else differentiate(recover.fallback)
-
-  def value_and_grad_fn(*args, **kwargs):
-    graphdef, state = nnx.split((args, kwargs))
-    state = nnx.as_pure(state)  # arrays: a copy merged in a loop body owns its Variables
-
-    def on_a_copy(at, scale):
-      a, k = nnx.merge(graphdef, state)
-      out, grads = at(scale, *a, **k)
-      return (out, nnx.as_pure(nnx.split((a, k))[1])), grads
-
-    fallback_attempt = None if fallback_at is None else (
-        lambda: on_a_copy(fallback_at, NoOpLossScale()))
-    (out, new_state), grads, recovery = recovering(
-        lambda scale: on_a_copy(grad_at, scale), fallback_attempt, loss_scale,
-        recover, caller)
-    nnx.update((args, kwargs), new_state)
-    return out, grads, recovery
-
-  return value_and_grad_fn
-
-
-def check_function_fallback(recover: Recover, caller: str) -> Recover:
-  """``recover``, whose fallback (if any) must be a function, for NNX.
-
-  Raises:
-    TypeError: if the fallback is a policy.
-  """
-  if recover.fallback is not None and not callable(recover.fallback):
-    raise TypeError(
-        f"{caller}: the recovery fallback {recover.fallback} is a policy, but "
-        "an NNX model fixes its dtypes in its layers, so a policy cannot be "
-        "applied from outside. Pass a function with the loss function's "
-        "signature that computes in the fallback precision, e.g. one that "
-        "runs a float32 twin of the model: jaxmp.Recover(fallback=loss_fn_f32).")
-  return recover
-
-
 @contextlib.contextmanager
 def nnx_keep_on_skip(
     model: Any, optimizer: Any, keep: Any = None
@@ -440,3 +358,30 @@ def _last_finite(optimizer: Any) -> Any:
   state = _find_state(getattr(optimizer, "opt_state", optimizer), "nnx_keep_on_skip")
   flag = state.last_finite
   return flag.get_value() if hasattr(flag, "get_value") else flag
+
+
+def split_for_loop(objects: Any) -> tuple[Any, Callable[..., Any], Callable[[Any], Any]]:
+  """NNX objects as arrays that a ``lax.while_loop`` can carry.
+
+  Returns ``(state, as_pure_step, write_back)``: the ``nnx.State`` of
+  ``objects``; ``as_pure_step(step)``, which turns ``step(objects) ->
+  (objects, aux)`` into a function of that state, merging fresh objects for
+  each call (a loop body owns its Variables); and ``write_back(state)``, which
+  updates the caller's objects in place and returns them. Used by
+  :func:`jaxmp.retry_skipped`.
+  """
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  graphdef, state = nnx.split(objects)
+
+  def as_pure_step(step):
+    def pure_step(pure_state):
+      out, aux = step(nnx.merge(graphdef, pure_state))
+      return nnx.state(out), aux
+    return pure_step
+
+  def write_back(pure_state):
+    nnx.update(objects, pure_state)
+    return objects
+
+  return state, as_pure_step, write_back

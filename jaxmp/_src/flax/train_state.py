@@ -31,8 +31,8 @@ from jaxmp._src.loss_scaling import (
   loss_scaling_metrics,
 )
 from jaxmp._src.precision_audit import warn_on_first_trace
-from jaxmp._src.policy import Fp8Policy, apply_policy_override, providing_collections
-from jaxmp._src.recovery import Recover, check_recover, fallback_policy
+from jaxmp._src.policy import Fp8Policy, providing_collections
+from jaxmp._src.recovery import keep_on_skip
 from jaxmp._src.validation import check_bool
 from jaxmp._src.value_and_grad import scale_then_differentiate
 
@@ -218,8 +218,7 @@ class TrainState(train_state.TrainState):
         **kwargs,
     )
 
-  def apply_gradients(self, *, grads: Any, recovery: Any = None,
-                      **kwargs) -> "TrainState":
+  def apply_gradients(self, *, grads: Any, **kwargs) -> "TrainState":
     """Applies the scaled gradients; on a skipped step changes nothing.
 
     Runs the loss-scaling optimizer on ``grads`` (the gradients of the
@@ -247,10 +246,6 @@ class TrainState(train_state.TrainState):
     Args:
       grads: the gradients of the scaled loss, with the structure of
         ``params`` (with FP8 matmuls, with the new FP8 meta beside them).
-      recovery: the :class:`jaxmp.RecoveryInfo` that
-        ``value_and_grad(loss_fn, recover=...)`` returned with ``grads``
-        (not a field: it is passed on to the optimizer, which unscales by the
-        scale the gradients were computed at). Default None.
       **kwargs: other fields to replace, as in Flax.
 
     Returns:
@@ -294,26 +289,23 @@ class TrainState(train_state.TrainState):
       # non-finite new meta makes the step non-finite too.
       grads = skip_unless_meta_finite(grads, new_meta)
       kwargs = {**kwargs, "fp8_meta": new_meta}
-    if recovery is None:
-      new_state = super().apply_gradients(grads=grads)
-    else:
-      updates, opt_state = self.tx.update(
-          grads, self.opt_state, self.params, recovery=recovery)
-      new_state = self.replace(
-          step=self.step + 1, params=optax.apply_updates(self.params, updates),
-          opt_state=opt_state)
-    if not kwargs:
-      return new_state
-    finite = loss_scaling_metrics(new_state.opt_state)["last_finite"]
+    new_state = super().apply_gradients(grads=grads)
     written = {}
     for name, value in kwargs.items():
       if not fields[name].metadata.get("pytree_node", True):
         written[name] = value
       else:
-        written[name] = _keep_on_skip(
-            finite, value, getattr(self, name), f"{type(self).__name__}."
-            f"apply_gradients({name}=...)")
-    return new_state.replace(**written)
+        check_same_structure(
+            value, getattr(self, name),
+            owner=f"{type(self).__name__}.apply_gradients({name}=...)",
+            names=("the new value", "the state's value"),
+            fix="A skipped step keeps the current value, so the new one must "
+            "have its structure and shapes: give the first value to create "
+            "(e.g. TrainState.create(..., batch_stats=variables['batch_stats'])) "
+            "and pass the updated collection itself (updates['batch_stats'], not "
+            "the dict that holds it).")
+        written[name] = keep_on_skip(new_state.opt_state, value, getattr(self, name))
+    return new_state.replace(**written) if written else new_state
 
   def _split_fp8(self, grads: Any, kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
     """``(param_grads, new_meta)`` when ``grads`` brings FP8 meta, else None."""
@@ -348,7 +340,6 @@ class TrainState(train_state.TrainState):
 
   def value_and_grad(
       self, loss_fn: Callable[..., Any], has_aux: bool = False,
-      recover: Recover | None = None,
   ) -> Callable[..., Any]:
     """Returns a function of ``(params, *args, **kwargs)`` giving loss and grads.
 
@@ -376,14 +367,6 @@ class TrainState(train_state.TrainState):
       loss_fn: ``loss_fn(params, *args, **kwargs)`` returning a scalar loss,
         or ``(loss, aux)`` when ``has_aux``.
       has_aux: whether ``loss_fn`` returns auxiliary data.
-      recover: a :class:`jaxmp.Recover` to recompute the batch inside the
-        step when its gradients are not finite. A policy ``fallback``
-        (``"float32"``) runs ``loss_fn`` under that policy at scale 1: the
-        params are cast to its compute dtype, and ``state.apply_fn`` runs
-        under it (a model's own ``dtype=``
-        declarations still win inside the model); a callable fallback is
-        called as ``loss_fn`` is. Pass the returned ``recovery`` on:
-        ``state.apply_gradients(grads=grads, recovery=recovery)``.
 
     With FP8 meta (``state.fp8_meta``), each ``state.apply_fn`` call inside
     ``loss_fn`` receives the meta (call it with ``{"params": params}``), with
@@ -393,28 +376,21 @@ class TrainState(train_state.TrainState):
     meta back in unscaled units.
 
     Returns:
-      The function described above; with ``recover``, it returns
-      ``(loss, grads, recovery)``.
+      The function described above.
 
     Raises:
-      ValueError: if the state has no policy, or the fallback policy computes
-        in bfloat16 where :func:`jaxmp.hardware_report` says it is not native;
-        with FP8 meta, if ``recover`` is given, or (when traced) ``loss_fn``
-        never calls ``state.apply_fn``.
+      ValueError: if the state has no policy; with FP8 meta, if (when traced)
+        ``loss_fn`` never calls ``state.apply_fn``.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
       >>> state = jaxmp.flax.TrainState.create(
       ...     apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(2.0**-14),
       ...     policy="mixed_float16", loss_scale=jaxmp.DynamicLossScale(2.0**15))
-      >>> loss_fn = lambda params: jnp.sum(params["w"] * 16384.0)  # fp16 grads overflow
-      >>> loss, grads, recovery = state.value_and_grad(
-      ...     loss_fn, recover=jaxmp.Recover(max_retries=1, fallback="float32"))(state.params)
-      >>> state = state.apply_gradients(grads=grads, recovery=recovery)
-      >>> bool(recovery.fell_back), int(state.metrics["fallback_steps"])
-      (True, 1)
-      >>> state.params["w"]
-      Array([0., 0.], dtype=float32)
+      >>> loss_fn = lambda params: jnp.sum(params["w"])
+      >>> loss, grads = state.value_and_grad(loss_fn)(state.params)
+      >>> float(loss), grads["w"]  # the gradients of the scaled loss
+      (2.0, Array([32768., 32768.], dtype=float32))
     """
     policy = self.policy
     if policy is None:
@@ -439,21 +415,10 @@ class TrainState(train_state.TrainState):
         return io_policy.cast_to_output(cast_loss(params, *args, **kwargs))
 
     if self.fp8_meta is not None:
-      if recover is not None:
-        raise ValueError(
-            "TrainState.value_and_grad(recover=...) is not supported with FP8 "
-            "meta: a retry at a backed-off scale would need the meta in that "
-            "scale's units. Leave recover out; a skipped step keeps the meta.")
       return _fp8_value_and_grad(self, run, loss_fn, has_aux, io_policy)
-
-    fallback_fun = None
-    if recover is not None:
-      recover = check_recover(recover, "TrainState.value_and_grad")
-      fallback_fun = fallback_loss(loss_fn, recover, "TrainState.value_and_grad")
 
     grad_fn = scale_then_differentiate(
         jax.value_and_grad, run, self.loss_scale, argnums=0, has_aux=has_aux,
-        recover=recover, fallback_fun=fallback_fun,
         caller="TrainState.value_and_grad",
         state_hint="It reads the state's own loss scale.")
     # At trace time, once per compilation: warn if the policy does not take
@@ -461,30 +426,6 @@ class TrainState(train_state.TrainState):
     return warn_on_first_trace(
         grad_fn, run, compute_dtype=io_policy.compute_dtype,
         caller="TrainState.value_and_grad", names_from=loss_fn)
-
-
-def fallback_loss(loss_fn: Callable[..., Any], recover: Recover,
-                  caller: str) -> Callable[..., Any] | None:
-  """The loss of ``recover``'s fallback attempt, or None without a fallback.
-
-  A policy fallback runs ``loss_fn`` under that policy (its compute dtype for
-  the params, ``state.apply_fn`` under it, the loss in its output dtype); a
-  callable fallback is returned as it is.
-
-  Raises:
-    ValueError: if the fallback policy computes in bfloat16 where it is not
-      native (:func:`jaxmp.hardware_report`).
-  """
-  fallback = fallback_policy(recover, caller)
-  if fallback is None:
-    return recover.fallback
-
-  def fallback_fun(params, *args, **kwargs):
-    params = fallback.params_for_compute(params)
-    with apply_policy_override(fallback):
-      return fallback.cast_to_output(loss_fn(params, *args, **kwargs))
-
-  return fallback_fun
 
 
 def _fp8_value_and_grad(self, run, loss_fn, has_aux, io_policy):
@@ -548,22 +489,3 @@ def _check_fp8_arguments(policy: Any, params: Any, fp8_meta: Any,
         f"{owner}(autocast=True) cannot run FP8 matmuls: autocast casts each "
         "operation, and the FP8 ops keep per-tensor scales. Leave autocast "
         "off with an FP8 policy.")
-
-
-def _keep_on_skip(finite: jax.Array, new: Any, old: Any, owner: str) -> Any:
-  """``new`` where ``finite``, else ``old``, leaf by leaf, in ``old``'s dtypes."""
-  check_same_structure(
-      new, old, owner=owner, names=("the new value", "the state's value"),
-      fix="A skipped step keeps the current value, so the new one must have "
-      "its structure and shapes: give the first value to create (e.g. "
-      "TrainState.create(..., batch_stats=variables['batch_stats'])) and pass "
-      "the updated collection itself (updates['batch_stats'], not the dict "
-      "that holds it).")
-
-  def select(new_leaf, old_leaf):
-    new_leaf, old_leaf = jnp.asarray(new_leaf), jnp.asarray(old_leaf)
-    if new_leaf.dtype != old_leaf.dtype:
-      new_leaf = new_leaf.astype(old_leaf.dtype)
-    return jnp.where(finite, new_leaf, old_leaf)
-
-  return jax.tree_util.tree_map(select, new, old)
