@@ -952,7 +952,9 @@ def warn_on_first_trace(
       call, tree = (prepare(args, kwargs) if prepare
                     else (_call_with(audited_fn), (args, kwargs)))
       names = _argument_names(names_from or audited_fn, args, kwargs)
-      report, recast_from = _audit(call, tree, names)
+      with warnings.catch_warnings():  # grad_fn's trace gave them already
+        warnings.simplefilter("ignore", PrecisionWarning)
+        report, recast_from = _audit(call, tree, names)
       dtype = compute_dtype if compute_dtype is not None else _seen_half(
           report, recast_from)
       text = None if dtype is None else _warning_text(report, dtype, caller)
