@@ -766,8 +766,9 @@ _ADVICE = {
         "report": "jaxmp.precision_report(loss_fn, state.params, *batch)",
         "recast": (
             "Fix: TrainState.create(..., autocast=True), or the policy "
-            "jaxmp.flax.ModulePolicy(..., override_dtype=True) with the model "
-            "called through state.policy.wrap_apply(model.apply)."
+            "jaxmp.flax.ModulePolicy(..., override_dtype=True) if the loss "
+            "calls the model wrapped by the state's policy "
+            "(state.policy.wrap_apply(model.apply))."
         ),
         "closure": (
             "Fix: call the model through state.policy.wrap_apply(model.apply), "
