@@ -424,12 +424,13 @@ def test_a_rule_that_a_declared_dtype_defeats_warns_once_per_trace_naming_the_mo
   assert "'head' declares dtype=float16" in message
   assert "override_dtype=True" in message
   assert record[0].filename == __file__  # points at the call of the model
-  # Where the rule takes effect, nothing warns.
+  # Where the rule takes effect, nothing warns (autocast casts each op by it).
   with warnings.catch_warnings():
     warnings.simplefilter("error", jaxmp.PrecisionWarning)
     for fine in (jaxmp.flax.ModulePolicy({"head": "float32"}, default="mixed_float16",
                                          override_dtype=True),
-                 jaxmp.flax.ModulePolicy({"head": "float16"}, default="float32")):
+                 jaxmp.flax.ModulePolicy({"head": "float16"}, default="float32"),
+                 policy.for_autocast()[0]):
       jax.make_jaxpr(fine.wrap_apply(model.apply))({"params": params}, x)
 
 

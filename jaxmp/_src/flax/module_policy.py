@@ -363,7 +363,10 @@ class ModulePolicy(RuleTablePolicy):
       if (policy is None or context.method_name == "setup"
           or module.is_initializing()):
         return call(*args, **kwargs)
-      if not override and (own is not None or policy is not self.default):
+      # A rule's policy (the module's own, or an enclosing module's) that the
+      # module's declared dtype defeats; autocast casts each op instead.
+      if not (override or self.tag_scopes) and (
+          own is not None or policy is not self.default):
         _note_defeated_rule(defeated, module, path, policy)
       args, kwargs = policy.cast_to_compute((args, kwargs))
       if own is not None and self.tag_scopes:
