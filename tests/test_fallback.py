@@ -540,7 +540,7 @@ def test_only_the_overflowing_module_is_promoted_and_training_then_skips_nothing
       ("head", True, False)]
   policy = report.propose_policy(state.policy)
   assert policy == jaxmp.flax.ModulePolicy({"head": "float32"},
-                                           default="mixed_float16")
+                                           default="mixed_float16", override_dtype=True)
   skipped = int(state.metrics["skipped_steps"])
   state = fallback.switch(state, policy, reason=str(report))
   assert fallback.events[-1].new_policy == str(policy)
@@ -612,7 +612,30 @@ def test_promotion_on_top_of_a_module_policy_keeps_its_rules():
   policy = report.propose_policy(base)
   assert policy == jaxmp.flax.ModulePolicy(
       {"head": "float32", nn.LayerNorm: "float32"}, default="mixed_float16",
-      first_match=True)
+      first_match=True, override_dtype=True)
+
+
+def test_the_proposed_policy_wins_over_a_declared_float16_dtype():
+
+  class DeclaredFloat16(nn.Module):  # the model's own dtype, as in Flax's examples
+
+    @nn.compact
+    def __call__(self, x):
+      h = nn.relu(nn.Dense(512, dtype=jnp.float16, name="body")(x))
+      return nn.Dense(8, dtype=jnp.float16, name="head", kernel_init=_wide_projection)(h)
+
+  model = DeclaredFloat16()
+  x = jax.random.normal(jax.random.key(1), (8, 4))
+  variables = model.init(jax.random.key(0), x)
+  report = jaxmp.flax.find_overflowing_modules(
+      jaxmp.get_policy("mixed_float16").wrap_apply(model.apply), variables, x)
+  assert report.modules == ("head",)
+  promoted = report.propose_policy("mixed_float16").wrap_apply(model.apply)
+  ops = jaxmp.precision_report(promoted, variables, x).ops
+  assert [(op.module, op.inputs) for op in ops] == [
+      ("DeclaredFloat16/body", ("float16", "float16")),
+      ("DeclaredFloat16/head", ("float32", "float32"))]
+  assert jaxmp.flax.find_overflowing_modules(promoted, variables, x).modules == ()
 
 
 def test_an_overflow_in_the_model_itself_promotes_the_whole_model():

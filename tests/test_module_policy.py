@@ -7,6 +7,7 @@ live in tests/test_bad_input.py.
 """
 
 import functools
+import warnings
 from typing import Any
 
 import chex
@@ -390,6 +391,47 @@ def test_override_dtype_recipe_for_a_train_state():
   new_state, loss = jax.jit(train_step)(state)
   assert np.isfinite(loss) and bool(new_state.metrics["last_finite"])
   assert {p.dtype for p in jax.tree_util.tree_leaves(new_state.params)} == {F32}
+
+
+class DeclaredHead(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(8, name="body")(x))
+    return nn.Dense(4, dtype=jnp.float16, name="head")(x)
+
+
+def test_a_rule_that_a_declared_dtype_defeats_warns_once_per_trace_naming_the_module():
+  model, x = DeclaredHead(), jnp.ones((2, 3))
+  params = model.init(jax.random.key(0), x)["params"]
+  policy = jaxmp.flax.ModulePolicy({"head": "float32"}, default="mixed_float16")
+  # The head's own dtype=float16 wins over its rule's float32.
+  with pytest.warns(jaxmp.PrecisionWarning):
+    assert matmul_dtypes(policy.wrap_apply(model.apply), {"params": params}, x)[1] == (
+        DOT, ("float16", "float16"))
+  state = jaxmp.flax.TrainState.create(
+      apply_fn=model.apply, params=params, tx=optax.sgd(0.1), policy=policy)
+
+  @jax.jit
+  def step(state, x):
+    loss_fn = lambda p, x: jnp.mean(state.apply_fn({"params": p}, x) ** 2)
+    return state.value_and_grad(loss_fn)(state.params, x)
+
+  with pytest.warns(jaxmp.PrecisionWarning) as record:
+    step(state, x)
+    step(state, x)  # no new trace: no new warning
+  message, = [str(w.message) for w in record]
+  assert "'head' declares dtype=float16" in message
+  assert "override_dtype=True" in message
+  assert record[0].filename == __file__  # points at the call of the model
+  # Where the rule takes effect, nothing warns (autocast casts each op by it).
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jaxmp.PrecisionWarning)
+    for fine in (jaxmp.flax.ModulePolicy({"head": "float32"}, default="mixed_float16",
+                                         override_dtype=True),
+                 jaxmp.flax.ModulePolicy({"head": "float16"}, default="float32"),
+                 policy.for_autocast()[0]):
+      jax.make_jaxpr(fine.wrap_apply(model.apply))({"params": params}, x)
 
 
 # NNX.

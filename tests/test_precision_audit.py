@@ -273,10 +273,12 @@ def test_a_model_with_its_own_float32_dtype_warns_naming_the_layers_and_the_fix(
       "TrainState.value_and_grad: the policy computes in float16, but only 0% "
       "of the matmul and convolution FLOPs of the loss function run in float16 "
       "(100% in float32).")
-  assert "cast back to float32 inside MLP/hidden, MLP/Dense_0" in text
-  assert "a Flax layer built with its own dtype=jnp.float32" in text
+  assert ("cast back to float32 inside MLP/hidden, MLP/Dense_0: the modules "
+          "declare dtype=float32") in text
+  # Both fixes keep the model the step calls.
+  assert "TrainState.create(..., autocast=True)" in text
   assert "jaxmp.flax.ModulePolicy(..., override_dtype=True)" in text
-  assert "build the model with dtype=None" in text
+  assert "state.apply_fn" not in text
   assert record[0].filename == __file__  # points at the call in the step
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", jaxmp.PrecisionWarning)
@@ -325,8 +327,79 @@ def test_a_loss_fn_closing_over_a_float32_batch_warns_naming_the_closure():
   text, = precision_warnings(record)
   assert ("fed by a float32 array that the loss function captures by closure "
           "(float32[8,4]), in MLP/hidden, MLP/Dense_0.") in text
-  assert "call the model through state.apply_fn, which casts its inputs" in text
+  assert "call the model through state.policy.wrap_apply(model.apply)" in text
+  assert "state.apply_fn" not in text
   assert "cast back" not in text  # the closure, not the layers, is the cause
+
+
+class Translator(nn.Module):
+  """A Linen model shaped like Flax's WMT example: integer tokens, a padding
+  mask, an embedding plus a fixed float32 position table, dropout, and layers
+  that declare the model's dtype."""
+
+  dtype: object = jnp.float32
+  deterministic: bool = False
+
+  @nn.compact
+  def __call__(self, tokens):
+    mask = nn.make_attention_mask(tokens > 0, tokens > 0, dtype=self.dtype)
+    x = nn.Embed(8, 8)(tokens) + jnp.asarray(np.ones((1, 4, 8), np.float32))
+    x = nn.Dropout(0.1)(x, deterministic=self.deterministic).astype(self.dtype)
+    x = x + nn.MultiHeadDotProductAttention(num_heads=2, dtype=self.dtype)(x, mask=mask)
+    x = nn.Dropout(0.1)(nn.relu(nn.Dense(16, dtype=self.dtype)(x)),
+                        deterministic=self.deterministic)
+    return nn.Dense(8, dtype=self.dtype, name="logits")(x)
+
+
+@pytest.mark.standard_promotion(
+    reason="as in Flax's WMT example, the float32 position table meets the bfloat16 embeddings")
+def test_a_wmt_style_step_blames_the_declared_dtype_not_the_key_nor_the_tokens():
+  tokens = jnp.array([[1, 2, 3, 0], [4, 5, 0, 0]])
+  params = Translator().init(jax.random.key(0), tokens)["params"]
+  # As in the WMT example: the state holds the evaluation model, and the loss
+  # calls the training one, capturing the tokens and the dropout key.
+  state = jaxmp.flax.TrainState.create(
+      apply_fn=Translator(deterministic=True).apply, params=params,
+      tx=optax.sgd(0.1), policy="mixed_bfloat16")
+  key = jax.random.key(1)
+
+  def step(state):
+    def loss_fn(params):
+      logits = Translator().apply({"params": params}, tokens, rngs={"dropout": key})
+      return cross_entropy(logits, tokens)
+
+    return state.value_and_grad(loss_fn)(state.params)
+
+  with pytest.warns(jaxmp.PrecisionWarning) as record:
+    jax.jit(step)(state)
+  text, = precision_warnings(record)
+  assert "the modules declare dtype=float32" in text
+  assert "closure" not in text and "state.apply_fn" not in text
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", jaxmp.PrecisionWarning)
+    report = jaxmp.precision_report(step, state)
+  assert report.flops_share("float32") == 1.0
+  assert {(op.cause, op.captured) for op in report.ops} == {("recast", "")}
+
+
+@pytest.mark.standard_promotion(
+    reason=USER_CODE_MIXES + ": a float32 batch meets bfloat16 params in a Flax Dense")
+def test_a_model_without_its_own_dtype_fed_an_uncast_batch_is_not_blamed_on_a_dtype():
+  state, model = linen_state(policy="mixed_bfloat16")
+
+  def step(state, x, y):
+    return state.value_and_grad(
+        lambda p, x, y: cross_entropy(model.apply({"params": p}, x), y))(state.params, x, y)
+
+  with pytest.warns(jaxmp.PrecisionWarning) as record:
+    jax.jit(step)(state, X, Y)
+  text, = precision_warnings(record)
+  assert "computed from a bfloat16 and a float32 input, in MLP/hidden, MLP/Dense_0" in text
+  assert "declare" not in text
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", jaxmp.PrecisionWarning)
+    report = jaxmp.precision_report(step, state, X, Y)
+  assert {op.cause for op in report.ops if op.direction == "forward"} == {"mixed"}
 
 
 def test_a_correct_float16_model_does_not_warn_nor_retrace_nor_transfer():
@@ -407,7 +480,7 @@ def test_once_per_trace_bfloat16_and_escalation():
     step(state, X[:4], Y[:4])  # a new shape: a new trace, checked again
   texts = precision_warnings(record)
   assert len(texts) == 2
-  assert all("the policy computes in bfloat16" in t and "or dtype=jnp.bfloat16" in t
+  assert all("the policy computes in bfloat16" in t and "declare dtype=float32" in t
              for t in texts)
   with warnings.catch_warnings():
     warnings.simplefilter("error", jaxmp.PrecisionWarning)

@@ -14,6 +14,7 @@ half-precision policy ends up computing most of its matmul FLOPs in float32.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -52,6 +53,10 @@ _MOVES = frozenset({
 _PASS_THROUGH = frozenset({"optimization_barrier", "device_put"})
 # The name JAX gives the recomputed part of a ``jax.checkpoint`` backward pass.
 _REMAT_SCOPE = "rematted_computation"
+# The audit's trace runs each Linen module that has a ``dtype`` attribute inside
+# a name scope ``jaxmp_declares_<dtype name or None>``: a module's own dtype
+# wins over the dtype of what it receives.
+_DECLARES = "jaxmp_declares_"
 # Packages whose frames are not the user's source line.
 _LIBRARIES = ("jax", "jaxlib", "flax", "optax", "chex", "jaxmp", "equinox",
               "haiku", "orbax", "numpy")
@@ -118,14 +123,17 @@ class PrecisionOp:
     source: the innermost line of the user's code that created the op,
       ``"file.py:12 (function)"``, outside JAX, Flax and jaxmp.
     cause: for an op with a float32 (or float64) input, why it is wide, when
-      the trace shows it: ``"closure"`` (an input is computed from a
-      floating array the function captures instead of receiving it as an
-      argument), ``"recast"`` (an input was cast to 16 bits and back up, as a
-      Flax layer's own ``dtype=jnp.float32`` does with params and inputs a
-      policy cast), ``"mixed"`` (one input is 16-bit, the other 32-bit: the
-      op runs in the wider one, and the other input never got the compute
-      dtype, as the parameter of a custom layer that has no ``dtype``);
-      ``""`` otherwise.
+      the trace shows it: ``"recast"`` (an input was cast to 16 bits and back
+      up, or computed from such a value, as a Flax layer's own
+      ``dtype=jnp.float32`` does with params and inputs a policy cast; for a
+      Linen module, only one that declares a float32 dtype), ``"closure"``
+      (an input is computed from a floating array the function captures
+      instead of receiving it as an argument; never a PRNG key nor an
+      integer array), ``"mixed"`` (one input is 16-bit, the other 32-bit,
+      or a Linen module without a float32 dtype promoted its 16-bit params
+      to a float32 input: the op runs in the wider dtype, and that input
+      never got the compute dtype, as the parameter of a custom layer that
+      has no ``dtype``); ``""`` otherwise.
     captured: for ``cause == "closure"``, the type of the captured array,
       e.g. ``"float32[8,4]"``.
 
@@ -399,8 +407,24 @@ def _trace(
       values[i] = array
     return call(jax.tree_util.tree_unflatten(treedef, values))
 
-  closed = jax.make_jaxpr(flat_fn)(*(leaves[i][1] for i in dynamic))
+  linen = sys.modules.get("flax.linen")
+  with (linen.intercept_methods(_tag_declared_dtype) if linen
+        else contextlib.nullcontext()):
+    closed = jax.make_jaxpr(flat_fn)(*(leaves[i][1] for i in dynamic))
   return closed, [leaves[i][0] for i in dynamic]
+
+
+def _tag_declared_dtype(next_fun, args, kwargs, context):
+  """A Linen interceptor: runs a module with a ``dtype`` in a scope naming it."""
+  module = context.module
+  if "dtype" not in getattr(type(module), "__dataclass_fields__", {}):
+    return next_fun(*args, **kwargs)
+  try:
+    name = "None" if module.dtype is None else np.dtype(module.dtype).name
+  except TypeError:  # a dtype attribute of another kind
+    return next_fun(*args, **kwargs)
+  with jax.named_scope(_DECLARES + name):
+    return next_fun(*args, **kwargs)
 
 
 def _call_with(fn: Callable[..., Any]) -> Callable[[Any], Any]:
@@ -420,6 +444,7 @@ class _Facts(NamedTuple):
   # and cast down, as LayerNorm's.
   narrow_origin: bool = False
   recast: str = ""  # a wide cast of a narrow_origin value: the narrow dtype
+  computed_from_recast: bool = False  # a wide value computed from a recast one
   captured: str = ""  # derived from a captured array: its type, e.g. float32[8]
   path: str = ""  # the argument it is read from (through moves and casts)
 
@@ -428,10 +453,12 @@ _NOTHING = _Facts()
 
 
 def _merge(facts: list[_Facts], out_dtype: Any) -> _Facts:
-  """The facts of a computed value: only the constants it derives from."""
+  """The facts of a computed value: the recasts and constants it derives from."""
   if _is_narrow_float(out_dtype):
     return _NOTHING
-  return _Facts(captured=next((f.captured for f in facts if f.captured), ""))
+  return _Facts(
+      computed_from_recast=any(f.recast or f.computed_from_recast for f in facts),
+      captured=next((f.captured for f in facts if f.captured), ""))
 
 
 def _join(alternatives: list[_Facts]) -> _Facts:
@@ -441,6 +468,7 @@ def _join(alternatives: list[_Facts]) -> _Facts:
   return _Facts(
       narrow_origin=all(f.narrow_origin for f in alternatives),
       recast=recasts.pop() if len(recasts) == 1 else "",
+      computed_from_recast=any(f.computed_from_recast for f in alternatives),
       captured=next((f.captured for f in alternatives if f.captured), ""),
       path=paths.pop() if len(paths) == 1 else "",
   )
@@ -451,8 +479,11 @@ def _aval_str(aval: Any) -> str:
 
 
 def _constant_facts(var: Any) -> _Facts:
+  # Only a floating array can make a matmul run in float32: a captured PRNG
+  # key (a dropout key), integer or boolean array never does.
   dtype = var.aval.dtype
-  return _Facts(narrow_origin=_is_narrow_float(dtype), captured=_aval_str(var.aval))
+  return _Facts(narrow_origin=_is_narrow_float(dtype),
+                captured=_aval_str(var.aval) if _is_float(dtype) else "")
 
 
 def _library_prefixes() -> tuple[str, ...]:
@@ -603,6 +634,11 @@ class _Walker:
     lhs, rhs = eqn.invars[:2]
     out = eqn.outvars[0]
     scopes, transforms = _name_parts(stack)
+    # Whether the innermost Linen module with a dtype declares a wide one
+    # (None outside Linen: unknown).
+    declared = [s[len(_DECLARES):] for s in scopes if s.startswith(_DECLARES)]
+    declares_wide = declared[-1] in ("float32", "float64") if declared else None
+    scopes = [s for s in scopes if not s.startswith(_DECLARES)]
     if "transpose" in transforms:
       direction = "recompute" if _REMAT_SCOPE in scopes else "backward"
     else:
@@ -614,13 +650,24 @@ class _Walker:
     wide = [f for f, dtype in zip(operands, dtypes) if _is_wide_float(dtype)]
     cause, captured = "", ""
     if wide:
+      recast = any(f.recast for f in wide)
       self.recast_from.update(f.recast for f in wide if f.recast)
       captured = next((f.captured for f in wide if f.captured), "")
-      if captured:
+      # In a module that declares float32: an input cast back up, or computed
+      # from one (attention scores), unless the other is a float32 argument
+      # read as it is (a param a rule keeps in float32).
+      declared_recast = recast or (
+          any(f.computed_from_recast for f in wide)
+          and not any(f.path and not f.recast for f in wide))
+      if declares_wide and declared_recast:  # the module's own dtype, first
+        cause, captured = "recast", ""
+      elif captured:
         cause = "closure"
-      elif any(f.recast for f in wide):
+      elif recast and declares_wide is None:
         cause = "recast"
-      elif any(_is_narrow_float(dtype) for dtype in dtypes):
+      elif recast or any(_is_narrow_float(dtype) for dtype in dtypes):
+        # A module without a float32 dtype that promotes its 16-bit params
+        # to a float32 input, or an op of a 16-bit and a float32 input.
         cause = "mixed"
     self.ops.append(PrecisionOp(
         primitive=eqn.primitive.name,
@@ -718,21 +765,21 @@ _ADVICE = {
         "subject": "the policy computes in {dtype}",
         "report": "jaxmp.precision_report(loss_fn, state.params, *batch)",
         "recast": (
-            "Fix: let the policy override the layers' own dtype, with "
-            "jaxmp.flax.ModulePolicy(..., override_dtype=True), or build the "
-            "model with dtype=None (the default of Flax layers: they then "
-            "compute in the dtype the policy gives them) or dtype=jnp.{dtype}."
+            "Fix: TrainState.create(..., autocast=True), or the policy "
+            "jaxmp.flax.ModulePolicy(..., override_dtype=True) if the loss "
+            "calls the model wrapped by the state's policy "
+            "(state.policy.wrap_apply(model.apply))."
         ),
         "closure": (
-            "value_and_grad casts the params; the model's inputs are cast by "
-            "state.apply_fn. Fix: call the model through state.apply_fn, "
-            "which casts its inputs, captured or passed."
+            "Fix: call the model through state.policy.wrap_apply(model.apply), "
+            "which casts its floating inputs, or "
+            "TrainState.create(..., autocast=True)."
         ),
         "mixed": (
-            "Fix: call the model through state.apply_fn, which casts its "
-            "inputs to the compute dtype, or give that input the compute "
-            "dtype yourself; if a rule of the policy keeps it in float32 on "
-            "purpose, ignore this."
+            "Fix: call the model through state.policy.wrap_apply(model.apply), "
+            "which casts its floating inputs, or "
+            "TrainState.create(..., autocast=True); if a rule of the policy "
+            "keeps that input in float32 on purpose, ignore this."
         ),
     },
     "nnx_scaled_value_and_grad": {
@@ -760,9 +807,9 @@ _ADVICE = {
 
 _CAUSE_TEXT = {
     "recast": (
-        "cast back to {wide} inside {where}: they receive {dtype} params or "
-        "inputs and cast them up again, as a Flax layer built with its own "
-        "dtype=jnp.float32 does."
+        "cast back to {wide} inside {where}: the modules declare "
+        "dtype={wide}, which wins over the {dtype} params and inputs they "
+        "receive."
     ),
     "closure": (
         "fed by a {wide} array that the loss function captures by closure "
@@ -906,7 +953,9 @@ def warn_on_first_trace(
       call, tree = (prepare(args, kwargs) if prepare
                     else (_call_with(audited_fn), (args, kwargs)))
       names = _argument_names(names_from or audited_fn, args, kwargs)
-      report, recast_from = _audit(call, tree, names)
+      with warnings.catch_warnings():  # grad_fn's trace gave them already
+        warnings.simplefilter("ignore", PrecisionWarning)
+        report, recast_from = _audit(call, tree, names)
       dtype = compute_dtype if compute_dtype is not None else _seen_half(
           report, recast_from)
       text = None if dtype is None else _warning_text(report, dtype, caller)

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import re
 import threading
+import warnings
 from typing import Any, Callable, Iterable, Mapping
 
 import jax
@@ -24,6 +26,7 @@ from flax.core import meta
 
 from jaxmp._src.flax.fp8 import fp8_dot_general_cls, fp8_einsum_call, uses_fp8
 from jaxmp._src.flax.fp8_nnx import attach_fp8_op
+from jaxmp._src.precision_audit import PrecisionWarning
 from jaxmp._src.policy import (
   Policy,
   WrappedApply,
@@ -37,6 +40,7 @@ from jaxmp._src.rules import (
   module_path,
   rule_table,
 )
+from jaxmp._src.validation import listing
 
 # The policies of the Linen module methods now running, innermost last.
 _ACTIVE = threading.local()
@@ -327,7 +331,7 @@ class ModulePolicy(RuleTablePolicy):
     scopes = {re.escape(tag): policy for policy, tag in self._scope_tags().items()}
     return tagged, scopes
 
-  def _intercept(self, next_fun, args, kwargs, context):
+  def _intercept(self, defeated, next_fun, args, kwargs, context):
     module = context.module
     scope = module.scope
     path = "/".join(scope.path) if scope is not None else ""
@@ -359,6 +363,11 @@ class ModulePolicy(RuleTablePolicy):
       if (policy is None or context.method_name == "setup"
           or module.is_initializing()):
         return call(*args, **kwargs)
+      # A rule's policy (the module's own, or an enclosing module's) that the
+      # module's declared dtype defeats; autocast casts each op instead.
+      if not (override or self.tag_scopes) and (
+          own is not None or policy is not self.default):
+        _note_defeated_rule(defeated, module, path, policy)
       args, kwargs = policy.cast_to_compute((args, kwargs))
       if own is not None and self.tag_scopes:
         with jax.named_scope(self._scope_tags()[own]):
@@ -531,11 +540,31 @@ def _apply_under_modules(policy: ModulePolicy, apply_fn: Callable[..., Any],
 
   if isinstance(variables, Mapping) and "params" in variables:
     variables = {**variables, "params": _box_params(variables["params"])}
-  with nn.intercept_methods(policy._intercept):  # pylint: disable=protected-access
+  defeated: dict[str, str] = {}  # per call: under jit, once per trace
+  with nn.intercept_methods(functools.partial(policy._intercept, defeated)):  # pylint: disable=protected-access
     result = apply_fn(variables, *args, **kwargs)
+  if defeated:
+    warnings.warn(
+        "ModulePolicy: a module's own dtype wins over the policy its rule "
+        f"gives it, so the rule does not take effect: {listing(defeated.values(), '; ')}. "
+        "Pass override_dtype=True to ModulePolicy to make the rules set the "
+        "modules' dtype.", PrecisionWarning, stacklevel=3)
   if policy.default is None:
     return result
   return cast_apply_output(policy.default, result, kwargs)
+
+
+def _note_defeated_rule(defeated: dict[str, str], module: Any, path: str,
+                        policy: Policy) -> None:
+  """Notes a module whose declared ``dtype`` is not its rule's compute dtype."""
+  declared = getattr(module, "dtype", None) if _has_dtype_field(type(module)) else None
+  try:
+    declared = None if declared is None else np.dtype(declared)
+  except TypeError:  # a dtype attribute of another kind
+    return
+  if declared is not None and declared != np.dtype(policy.compute_dtype):
+    defeated[path] = (f"{path or '(root)'!r} declares dtype={declared.name}, its "
+                      f"rule computes in {np.dtype(policy.compute_dtype).name}")
 
 
 def _rule_hits(key: Any, module: Any, name: str | None, path: str) -> bool:

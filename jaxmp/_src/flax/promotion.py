@@ -83,7 +83,7 @@ class OverflowReport:
     >>> print(report)
     inf or nan first produced by 'head'
     >>> print(report.propose_policy("mixed_float16"))
-    ModulePolicy({'head': p=f32,c=f32,o=f32}, default=p=f32,c=f16,o=f32, first_match=False, override_dtype=False)
+    ModulePolicy({'head': p=f32,c=f32,o=f32}, default=p=f32,c=f16,o=f32, first_match=False, override_dtype=True)
   """
 
   modules: tuple[str, ...]
@@ -95,11 +95,15 @@ class OverflowReport:
     """The policy that runs :attr:`modules` in ``dtype`` and the rest as now.
 
     For a :class:`jaxmp.Policy`, ``ModulePolicy({path: promoted, ...},
-    default=policy)``, where ``promoted`` computes and outputs in ``dtype``
-    and keeps ``policy``'s ``param_dtype``; each path is matched exactly. For
-    a :class:`jaxmp.flax.ModulePolicy`, its rules with the new ones put first
-    (they win where they overlap: ``first_match=True``) and its default and
-    ``override_dtype`` kept. When the model itself produces the non-finite
+    default=policy, override_dtype=True)``, where ``promoted`` computes and
+    outputs in ``dtype`` and keeps ``policy``'s ``param_dtype``; each path is
+    matched exactly. For a :class:`jaxmp.flax.ModulePolicy`, its rules with
+    the new ones put first (they win where they overlap:
+    ``first_match=True``) and its default kept. ``override_dtype=True``
+    makes the rules win over a module's own ``dtype=`` (a layer built with
+    ``dtype=jnp.float16`` would otherwise stay in float16 and overflow
+    again); every other Linen module with a ``dtype`` then computes in its
+    policy's compute dtype too. When the model itself produces the non-finite
     values (``""`` in :attr:`modules`), the whole model is promoted: the
     plain ``promoted`` policy. The loss scale stays dynamic as long as the
     rest computes in float16.
@@ -152,11 +156,11 @@ class OverflowReport:
       return promoted
     new_rules = [(re.escape(path), promoted) for path in self.modules]
     if base is None:
-      return ModulePolicy(new_rules, default=policy)
+      return ModulePolicy(new_rules, default=policy, override_dtype=True)
     keys = {key for key, _ in new_rules}
     old_rules = [(key, p) for key, p in base.rules if key not in keys]
     return ModulePolicy(new_rules + old_rules, default=base.default,
-                        first_match=True, override_dtype=base.override_dtype)
+                        first_match=True, override_dtype=True)
 
   def __str__(self) -> str:
     if not self.inputs_finite:
