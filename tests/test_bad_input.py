@@ -64,6 +64,10 @@ def deepspeed(config):
   return lambda: jaxmp.from_deepspeed_config(config)
 
 
+def trainer(config, training_args):
+  return lambda: jaxmp.from_deepspeed_config(config, training_args=training_args)
+
+
 def update_with(grads, state=STATE, tx=TX):
   return lambda: tx.update(grads, state, PARAMS)
 
@@ -782,6 +786,38 @@ CASES = [
          r"lower min_loss_scale or raise initial_scale_power"),
     Case("DeepSpeed: not a config at all", deepspeed(3), TypeError,
          r"got a int", r"expects a dict, a JSON string or a path"),
+    Case("DeepSpeed: apex AMP enabled",
+         deepspeed({"amp": {"enabled": True, "opt_level": "O1"}}), ValueError,
+         r"amp\.enabled is true: DeepSpeed hands mixed precision to NVIDIA apex",
+         r'Replace the amp block with "fp16": \{"enabled": true\}'),
+    Case("DeepSpeed: the Trainer's apex backend",
+         trainer({"fp16": {"enabled": "auto"}},
+                 {"fp16": True, "half_precision_backend": "apex"}), ValueError,
+         r"fp16 with half_precision_backend 'apex' makes the Trainer fill in amp",
+         r"Drop the apex backend"),
+    Case("DeepSpeed: a config value the Trainer's argument contradicts",
+         trainer({"bf16": {"enabled": True}, "gradient_accumulation_steps": 8},
+                 ["--gradient_accumulation_steps", "4"]), ValueError,
+         r"bf16\.enabled is true in the config and bf16 False in the Trainer's "
+         r"arguments; gradient_accumulation_steps is 8 in the config and "
+         r"gradient_accumulation_steps 4", r'Set the value to "auto" in the config'),
+    Case("DeepSpeed: the Trainer's fp16 and bf16 both",
+         trainer({}, ["--fp16", "--bf16"]), ValueError,
+         r"fp16 and bf16 are both true", r"keep one"),
+    Case("DeepSpeed: a misspelt Trainer flag", trainer({}, ["--bf61"]), ValueError,
+         r"the flag --bf61 is not one the conversion reads", r"Did you mean '--bf16'\?"),
+    Case("DeepSpeed: a Trainer flag's value that is not a number",
+         trainer({}, ["--gradient_accumulation_steps", "four"]), ValueError,
+         r"--gradient_accumulation_steps: invalid int value: 'four'",
+         r"Write the flags as the Trainer's command line takes them"),
+    Case("DeepSpeed: the Trainer's bf16 given as a string",
+         trainer({}, {"bf16": "true"}), ValueError,
+         r"Trainer arguments: bf16 must be True or False, got 'true'",
+         r"Write true or false, without quotes"),
+    Case("DeepSpeed: the Trainer's arguments in a missing file",
+         trainer({}, "/nonexistent/args.json"), ValueError,
+         r"no such file: '/nonexistent/args\.json'",
+         r"the path of a file that holds the Trainer's arguments"),
     Case("from_torch_grad_scaler: a device name",
          lambda: jaxmp.from_torch_grad_scaler("cuda"), TypeError,
          r"init_scale must be a number, got 'cuda'", r"takes no device argument, drop it"),
