@@ -20,6 +20,7 @@ from jaxmp._src.loss_scaling import _find_state
 from jaxmp._src.policy import Policy, get_policy
 from jaxmp._src.precision_audit import warn_on_first_trace
 from jaxmp._src.recovery import Recover, check_recover, recovering
+from jaxmp._src.validation import jmp_loss_scale_fix
 from jaxmp._src.value_and_grad import differentiator, scale_then_differentiate
 
 
@@ -310,7 +311,8 @@ def _recovering(fun, loss_scale, argnums, has_aux, recover):
     raise TypeError(
         f"{caller} expects a loss scale as its second argument, got a "
         f"{type(loss_scale).__name__}. With an nnx.Optimizer, pass "
-        "jaxmp.get_loss_scale(optimizer.opt_state).")
+        "jaxmp.get_loss_scale(optimizer.opt_state)."
+        f"{jmp_loss_scale_fix(loss_scale)}")
   recover = check_function_fallback(
       check_recover(recover, caller, fallback="loss_fn_f32"), caller)
   differentiate = differentiator(
