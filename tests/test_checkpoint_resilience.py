@@ -377,9 +377,9 @@ def test_a_forced_overwrite_killed_at_any_moment_leaves_a_restorable_checkpoint(
     if not killed:
       break
   assert outcomes[-1] == 2.0 and not killed  # the save ran to its end
-  # The moments span the overwrite: some kills left the old checkpoint, later
-  # ones the new one.
-  assert outcomes == sorted(outcomes) and 1.0 in outcomes[:-1] and 2.0 in outcomes[:-1]
+  # The moments span the overwrite: some kills left the old checkpoint,
+  # others (after the swap) the new one.
+  assert 1.0 in outcomes[:-1] and 2.0 in outcomes[:-1]
 
 
 def test_a_failed_forced_overwrite_keeps_the_old_checkpoint(tmp_path):
