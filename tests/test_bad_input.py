@@ -26,6 +26,7 @@ from unittest import mock
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import jmp
 import numpy as np
 import optax
 import pytest
@@ -62,6 +63,10 @@ def dynamic(*args, **kwargs):
 
 def deepspeed(config):
   return lambda: jaxmp.from_deepspeed_config(config)
+
+
+def trainer(config, training_args):
+  return lambda: jaxmp.from_deepspeed_config(config, training_args=training_args)
 
 
 def update_with(grads, state=STATE, tx=TX):
@@ -464,6 +469,13 @@ CASES = [
     Case("loss_scaling: a number as the loss scale",
          lambda: jaxmp.loss_scaling(optax.sgd(0.1), 2.0**15), TypeError,
          r"got 32768\.0", r"such as jaxmp\.DynamicLossScale\(\)"),
+    Case("loss_scaling: a jmp loss scale",
+         lambda: jaxmp.loss_scaling(optax.sgd(0.1), jmp.DynamicLossScale(
+             np.float32(2.0**15), period=100)), TypeError,
+         r"That is jmp's DynamicLossScale, which jaxmp does not run",
+         r"write jaxmp\.DynamicLossScale\(loss_scale=32768\.0, counter=0, "
+         r"period=100, factor=2, min_loss_scale=1\.0\)\. Or import jaxmp as jmp "
+         r"instead of jmp, which makes jmp\.DynamicLossScale\(\.\.\.\) jaxmp's"),
     Case("loss_scaling: a name as the optimizer",
          lambda: jaxmp.loss_scaling("adam", jaxmp.DynamicLossScale()), TypeError,
          r"got 'adam'", r"e\.g\. optax\.adamw\(1e-3\)"),
@@ -535,6 +547,22 @@ CASES = [
          lambda: jaxmp.scaled_value_and_grad(
              jnp.sum, jaxmp.NoOpLossScale(), has_aux=True)(jnp.ones(2)),
          TypeError, r"has_aux=True\) expects fun", r"to return a pair \(loss, aux\)"),
+    Case("scaled_value_and_grad: a (loss, aux) pair without has_aux",
+         lambda: jaxmp.scaled_value_and_grad(
+             lambda w: (jnp.sum(w), {"norm": jnp.linalg.norm(w)}),
+             jaxmp.NoOpLossScale())(jnp.ones(2)),
+         TypeError, r"expects fun to return a scalar loss, got a tuple",
+         r"If fun returns \(loss, aux\), pass has_aux=True"),
+    Case("scaled_value_and_grad: a dict for the loss",
+         lambda: jaxmp.scaled_value_and_grad(
+             lambda w: {"loss": jnp.sum(w)}, jaxmp.NoOpLossScale())(jnp.ones(2)),
+         TypeError, r"expects fun to return a scalar loss, got a dict",
+         r"return \(loss, aux\) and pass has_aux=True"),
+    Case("scaled_value_and_grad: a jmp loss scale",
+         lambda: jaxmp.scaled_value_and_grad(jnp.sum, jmp.StaticLossScale(
+             np.float32(2.0**15)))(jnp.ones(2)), TypeError,
+         r"That is jmp's StaticLossScale, which jaxmp does not run",
+         r"write jaxmp\.StaticLossScale\(loss_scale=32768\.0\)\. Or import jaxmp as jmp"),
     Case("scaled_value_and_grad: a non-scalar loss",
          lambda: jaxmp.scaled_value_and_grad(
              lambda w: 2 * w, jaxmp.StaticLossScale(2.0))(jnp.ones(2)),
@@ -705,12 +733,52 @@ CASES = [
          r"lower min_loss_scale or raise initial_scale_power"),
     Case("DeepSpeed: not a config at all", deepspeed(3), TypeError,
          r"got a int", r"expects a dict, a JSON string or a path"),
+    Case("DeepSpeed: apex AMP enabled",
+         deepspeed({"amp": {"enabled": True, "opt_level": "O1"}}), ValueError,
+         r"amp\.enabled is true: DeepSpeed hands mixed precision to NVIDIA apex",
+         r'Replace the amp block with "fp16": \{"enabled": true\}'),
+    Case("DeepSpeed: the Trainer's apex backend",
+         trainer({"fp16": {"enabled": "auto"}},
+                 {"fp16": True, "half_precision_backend": "apex"}), ValueError,
+         r"fp16 with half_precision_backend 'apex' makes the Trainer fill in amp",
+         r"Drop the apex backend"),
+    Case("DeepSpeed: a config value the Trainer's argument contradicts",
+         trainer({"bf16": {"enabled": True}, "gradient_accumulation_steps": 8},
+                 ["--gradient_accumulation_steps", "4"]), ValueError,
+         r"bf16\.enabled is true in the config and bf16 False in the Trainer's "
+         r"arguments; gradient_accumulation_steps is 8 in the config and "
+         r"gradient_accumulation_steps 4", r'Set the value to "auto" in the config'),
+    Case("DeepSpeed: the Trainer's fp16 and bf16 both",
+         trainer({}, ["--fp16", "--bf16"]), ValueError,
+         r"fp16 and bf16 are both true", r"keep one"),
+    Case("DeepSpeed: a misspelt Trainer flag", trainer({}, ["--bf61"]), ValueError,
+         r"the flag --bf61 is not one the conversion reads", r"Did you mean '--bf16'\?"),
+    Case("DeepSpeed: a Trainer flag's value that is not a number",
+         trainer({}, ["--gradient_accumulation_steps", "four"]), ValueError,
+         r"--gradient_accumulation_steps: invalid int value: 'four'",
+         r"Write the flags as the Trainer's command line takes them"),
+    Case("DeepSpeed: the Trainer's bf16 given as a string",
+         trainer({}, {"bf16": "true"}), ValueError,
+         r"Trainer arguments: bf16 must be True or False, got 'true'",
+         r"Write true or false, without quotes"),
+    Case("DeepSpeed: the Trainer's arguments in a missing file",
+         trainer({}, "/nonexistent/args.json"), ValueError,
+         r"no such file: '/nonexistent/args\.json'",
+         r"the path of a file that holds the Trainer's arguments"),
     Case("from_torch_grad_scaler: a device name",
          lambda: jaxmp.from_torch_grad_scaler("cuda"), TypeError,
          r"init_scale must be a number, got 'cuda'", r"takes no device argument, drop it"),
     Case("from_torch_grad_scaler: a device name before the scale",
          lambda: jaxmp.from_torch_grad_scaler("cuda", 2.0**16), TypeError,
          r"init_scale must be a number, got 'cuda'", r"It looks like a device name"),
+    Case("from_torch_grad_scaler: a scale in quotes",
+         lambda: jaxmp.from_torch_grad_scaler(init_scale="65536"), TypeError,
+         r"init_scale must be a number, got '65536' of type str",
+         r"Pass a number, not a string: init_scale=65536\."),
+    Case("from_torch_grad_scaler: an interval in quotes",
+         lambda: jaxmp.from_torch_grad_scaler(growth_interval="2000"), TypeError,
+         r"growth_interval must be an integer, got '2000'",
+         r"Pass a number, not a string: growth_interval=2000\."),
     Case("from_torch_grad_scaler: zero scale",
          lambda: jaxmp.from_torch_grad_scaler(init_scale=0.0), ValueError,
          r"init_scale must be a number > 0, got 0\.0", r"PyTorch's default is 65536\.0"),
@@ -1096,6 +1164,20 @@ FALLBACK_CASES = [
          lambda: jaxmp.PrecisionFallback(LADDER).update(STATE), TypeError,
          r"pass step= .*with a plain optax state",
          r"a jaxmp\.flax\.TrainState or an nnx\.Optimizer carries its own"),
+    Case("PrecisionFallback.load_state_dict: an empty state",
+         lambda: jaxmp.PrecisionFallback(LADDER).load_state_dict({}), ValueError,
+         r"the state lacks ladder, rung, policy, overflows_at_min_base, events",
+         r"Pass the dict that PrecisionFallback\.state_dict\(\) returned"),
+    Case("PrecisionFallback.load_state_dict: a rung beyond the ladder",
+         lambda: jaxmp.PrecisionFallback(LADDER).load_state_dict(
+             {**jaxmp.PrecisionFallback(LADDER).state_dict(), "rung": 5}), ValueError,
+         r"rung must be an integer >= 0 and <= 1, got 5",
+         r"It indexes the ladder of 2 policies"),
+    Case("PrecisionFallback.load_state_dict: events that are not switches",
+         lambda: jaxmp.PrecisionFallback(LADDER).load_state_dict(
+             {**jaxmp.PrecisionFallback(LADDER).state_dict(), "events": 3}), ValueError,
+         r"the event 3 is not a dict with the fields of a jaxmp\.PrecisionSwitch",
+         r"Pass the dict that PrecisionFallback\.state_dict\(\) returned"),
     Case("PrecisionFallback.switch: no reason",
          lambda: jaxmp.PrecisionFallback(LADDER).switch(STATE, "float32", reason="",
                                                         step=1),
@@ -1217,6 +1299,14 @@ FP8_CASES = [
          ValueError, r"key 'dot': 'fp4' is not a matmul format", r"'dot=fp8'"),
     Case("policy: a zero amax history", lambda: jaxmp.get_policy("c=bf16,dot=fp8,amax_history=0"), ValueError,
          r"'amax_history': '0' is not a whole number >= 1", r"'amax_history=16'"),
+    Case("policy: an amax history too long to allocate",
+         lambda: jaxmp.get_policy("c=bf16,dot=fp8,amax_history=99999999999"), ValueError,
+         r"'amax_history': '99999999999' is not a whole number >= 1 and <= 65536",
+         r"'amax_history=16'"),
+    Case("Fp8Policy: an amax history too long to allocate",
+         lambda: jaxmp.Fp8Policy("f32", "bf16", "f32", amax_history_length=10**11),
+         ValueError, r"amax_history_length must be an integer >= 1 and <= 65536, "
+         r"got 100000000000", r"Flax's default is 1024"),
     Case("policy: an amax history without FP8 matmuls",
          lambda: jaxmp.get_policy("c=bf16,amax_history=16"), ValueError,
          r"sets amax_history without dot=fp8", r"Add ',dot=fp8'"),

@@ -7,7 +7,15 @@
   reverse) either works or fails with a message that says what to do; what it
   says to do works.
 * The loss scale's configuration and its state survive a save and restore.
+* A forced overwrite that fails, or is killed at any moment, leaves a
+  restorable checkpoint: the old one or the new one.
 """
+
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
 
 import chex
 import flax.linen as nn
@@ -305,3 +313,79 @@ def test_a_mismatched_checkpoint_is_refused_quietly_before_any_array_is_read(
   captured = capfd.readouterr()
   assert captured.err == "" and captured.out == ""
   assert not [r for r in caplog.records if r.levelno >= 30]  # no warnings logged
+
+
+# ---------------------------------------------------------------------------
+# A forced overwrite never loses the checkpoint it replaces.
+
+# Saves a state of `value`s over the checkpoint at `path`, and SIGKILLs itself
+# just before its `kill_at`-th call of os.rename or shutil.rmtree: each
+# filesystem step of the overwrite (orbax's and jaxmp's) is a moment to die at.
+KILLED_SAVE = """
+import os, shutil, signal, sys
+import numpy as np
+import jaxmp.flax
+
+path, value, kill_at = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+calls = [0]
+
+def dying(function):
+  def call(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == kill_at:
+      os.kill(os.getpid(), signal.SIGKILL)
+    return function(*args, **kwargs)
+  return call
+
+os.rename, shutil.rmtree = dying(os.rename), dying(shutil.rmtree)
+state = {name: np.full((64, 64), value, np.float32) for name in ("a", "b", "c")}
+jaxmp.flax.save_checkpoint(path, state, force=True)
+"""
+
+
+def filled(value):
+  return {name: np.full((64, 64), value, np.float32) for name in ("a", "b", "c")}
+
+
+def restored_value(path):
+  restored = jaxmp.flax.restore_checkpoint(path, filled(0.0))
+  values = {float(v) for leaf in restored.values() for v in np.unique(leaf)}
+  assert len(values) == 1, values  # all old or all new, never a mixture
+  return values.pop()
+
+
+@pytest.mark.integration  # a process per moment, about 2 s each
+def test_a_forced_overwrite_killed_at_any_moment_leaves_a_restorable_checkpoint(
+    tmp_path):
+  root = pathlib.Path(__file__).resolve().parents[1]  # so it imports this jaxmp
+  jaxmp.flax.save_checkpoint(tmp_path / "original", filled(1.0))
+  outcomes = []
+  for kill_at in range(1, 40):
+    work = tmp_path / f"kill_{kill_at}"
+    shutil.copytree(tmp_path / "original", work / "ckpt")
+    process = subprocess.run(
+        [sys.executable, "-c", KILLED_SAVE, str(work / "ckpt"), "2.0", str(kill_at)],
+        cwd=root, capture_output=True, text=True, timeout=120, check=False)
+    killed = process.returncode == -signal.SIGKILL
+    assert killed or process.returncode == 0, process.stderr
+    outcomes.append(restored_value(work / "ckpt"))
+    # Whatever the killed save left beside the checkpoint, the next forced
+    # save cleans up and completes.
+    jaxmp.flax.save_checkpoint(work / "ckpt", filled(3.0), force=True)
+    assert restored_value(work / "ckpt") == 3.0
+    assert sorted(p.name for p in work.iterdir()) == ["ckpt"]
+    if not killed:
+      break
+  assert outcomes[-1] == 2.0 and not killed  # the save ran to its end
+  # The moments span the overwrite: some kills left the old checkpoint,
+  # others (after the swap) the new one.
+  assert 1.0 in outcomes[:-1] and 2.0 in outcomes[:-1]
+
+
+def test_a_failed_forced_overwrite_keeps_the_old_checkpoint(tmp_path):
+  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", filled(1.0))
+  with pytest.raises(ValueError, match="Unsupported type"):
+    jaxmp.flax.save_checkpoint(tmp_path / "ckpt", {"a": "not an array"}, force=True)
+  assert restored_value(tmp_path / "ckpt") == 1.0
+  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", filled(2.0), force=True)
+  assert restored_value(tmp_path / "ckpt") == 2.0

@@ -7,6 +7,7 @@ catalogue (``tests/test_bad_input.py``).
 
 import io
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -207,3 +208,63 @@ def test_printed_code_trains_with_accumulation(tmp_path, capsys, precision):
   assert not same(params, before)
   assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(params))
   assert int(jaxmp.loss_scaling_metrics(opt_state)["skipped_steps"]) == 1
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face Trainer configs: "auto" everywhere, filled in from the Trainer's
+# arguments (a TrainingArguments.to_json_string() file, or its flags).
+
+DATA = pathlib.Path(__file__).resolve().parent / "data"
+TRAINER_ARGS = str(DATA / "hf_training_args.json")  # bf16, max_grad_norm 1, 4 steps
+HF_RUNS = {
+    # name: (config, arguments, preset, accumulation, learning rate, weight decay)
+    "bf16 from the arguments file": (
+        "ds_config_zero2_bf16.json", ["--training-args", TRAINER_ARGS],
+        "mixed_bfloat16", 4, 2e-4, 0.01),
+    "fp16 from the flags": (
+        "ds_config_zero2_fp16.json", ["--fp16", "--gradient_accumulation_steps", "4"],
+        "mixed_float16", 4, 5e-5, 0.0),  # the Trainer's defaults: lr 5e-5, no decay
+    "a flag overrides the arguments file": (
+        "ds_config_zero2_bf16.json",
+        ["--training-args", TRAINER_ARGS, "--gradient_accumulation_steps", "2"],
+        "mixed_bfloat16", 2, 2e-4, 0.01),
+}
+
+
+@pytest.mark.parametrize("run", HF_RUNS)
+def test_printed_code_of_a_hugging_face_config_trains(capsys, run):
+  config, argv, preset, accumulation, learning_rate, weight_decay = HF_RUNS[run]
+  code, out, err = _convert(capsys, str(DATA / config), *argv)
+  assert code == 0, err
+  namespace = _run_printed(out)
+  policy, tx = namespace["policy"], namespace["tx"]
+  assert policy == jaxmp.get_policy(preset)
+
+  def loss_fn(params):  # gradient 0.5 per weight, of global norm 2
+    w = policy.cast_to_compute(params)["w"]
+    return jnp.mean(policy.cast_to_output(w * jnp.asarray(8.0, w.dtype)))
+
+  @jax.jit
+  def micro_step(params, opt_state):
+    _, grads = jaxmp.scaled_value_and_grad(
+        loss_fn, jaxmp.get_loss_scale(opt_state))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  start = {"w": jnp.linspace(-1.0, 1.0, 16)}
+  params, opt_state = start, tx.init(start)
+  for i in range(accumulation):  # gradient_accumulation_steps
+    params, opt_state = micro_step(params, opt_state)
+    assert np.array_equal(params["w"], start["w"]) == (i < accumulation - 1), i
+  # max_grad_norm 1: AdamW's first moment holds (1 - beta1) times the
+  # gradient clipped to norm 1.
+  mu = optax.tree_utils.tree_get(opt_state, "mu")
+  np.testing.assert_allclose(np.linalg.norm(mu["w"]) / (1 - 0.9), 1.0, rtol=1e-6)
+  # learning_rate and weight_decay: Adam's first step moves each weight by lr.
+  np.testing.assert_allclose(
+      params["w"] - start["w"], -learning_rate * (1 + weight_decay * start["w"]),
+      rtol=0, atol=2e-7)  # float32 rounding of weights near 1
+  for _ in range(2 * accumulation):
+    params, opt_state = micro_step(params, opt_state)
+  assert int(jaxmp.loss_scaling_metrics(opt_state)["skipped_steps"]) == 0
+  assert float(jnp.max(params["w"] - start["w"])) < -2 * learning_rate  # it trains on

@@ -508,3 +508,52 @@ def test_live_deepspeed_still_gives_the_recording():
   for probe in FIXTURE["probes"]:
     live = recorder.deepspeed_verdict(probe["config"])
     assert live["accepted"] == probe["accepted"], probe["id"]
+
+
+# ---------------------------------------------------------------------------
+# The Hugging Face Trainer's arguments fill in "auto", as the Trainer does
+# (its DeepSpeed integration); `jaxmp convert` is tested in test_cli.py.
+
+HF_BF16 = DATA / "ds_config_zero2_bf16.json"  # "auto" everywhere
+HF_FP16 = DATA / "ds_config_zero2_fp16.json"
+HF_ARGS = DATA / "hf_training_args.json"  # TrainingArguments.to_json_string()
+
+
+@pytest.mark.parametrize("form", ["dict", "json", "path", "flags"])
+def test_training_args_fill_in_enabled_auto(form):
+  text = HF_ARGS.read_text(encoding="utf-8")
+  training_args = {
+      "dict": json.loads(text), "json": text, "path": HF_ARGS,
+      # A Trainer command line: the flags not read are left.
+      "flags": ["--output_dir", "out", "--bf16", "--learning_rate", "2e-4",
+                "--max_grad_norm=1.0", "--do_train"],
+  }[form]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # "auto" is resolved: no warning
+    policy, loss_scale = jaxmp.from_deepspeed_config(HF_BF16, training_args=training_args)
+  assert policy == jaxmp.get_policy("mixed_bfloat16")
+  assert isinstance(loss_scale, jaxmp.NoOpLossScale)
+
+
+def test_the_trainer_s_fp16_keeps_the_config_s_loss_scale():
+  policy, loss_scale = jaxmp.from_deepspeed_config(
+      HF_FP16, training_args={"fp16": True, "gradient_accumulation_steps": 4})
+  assert policy == jaxmp.get_policy("mixed_float16")
+  assert (float(loss_scale.loss_scale), loss_scale.period, loss_scale.hysteresis,
+          loss_scale.min_loss_scale) == (2.0**16, 1000, 2, 1.0)
+
+
+@pytest.mark.parametrize("config, training_args, preset", [
+    ({}, ["--bf16"], "mixed_bfloat16"),  # the Trainer adds the missing block
+    ({}, {"fp16": True}, "mixed_float16"),
+    ({"fp16": {"enabled": "auto"}}, {"fp16_full_eval": True}, "mixed_float16"),
+    (HF_BF16, {}, "float32"),  # the Trainer's default: neither fp16 nor bf16
+    # Values that agree with the Trainer's are accepted as they are.
+    ({"bf16": {"enabled": True}, "gradient_clipping": 1.0,
+      "gradient_accumulation_steps": 4}, HF_ARGS, "mixed_bfloat16"),
+])
+def test_the_trainer_s_precision(config, training_args, preset):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    policy, _ = jaxmp.from_deepspeed_config(config, training_args=training_args)
+  assert policy == jaxmp.get_policy(preset)

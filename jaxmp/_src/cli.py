@@ -30,18 +30,32 @@ def _run_doctor(args: argparse.Namespace) -> int:
 
 
 def _add_convert(parser: argparse.ArgumentParser) -> None:
+  from jaxmp._src.deepspeed import add_trainer_flags  # pylint: disable=g-import-not-at-top
+
   parser.add_argument(
       "config", metavar="CONFIG.json",
       help="a DeepSpeed config file, or - to read it from standard input "
       "(JSON; // and /* */ comments and trailing commas are accepted)",
   )
+  parser.add_argument(
+      "--training-args", metavar="ARGS.json",
+      help="the Hugging Face Trainer's arguments (what "
+      "TrainingArguments.to_json_string() writes): the config's \"auto\" "
+      "values are filled in from them, as the Trainer does; the flags below "
+      "override them",
+  )
+  add_trainer_flags(parser)
 
 
 def _run_convert(args: argparse.Namespace) -> int:
   import warnings  # pylint: disable=g-import-not-at-top
 
   from jaxmp._src.codegen import deepspeed_config_to_code  # pylint: disable=g-import-not-at-top
-  from jaxmp._src.deepspeed import parse_deepspeed_json  # pylint: disable=g-import-not-at-top
+  from jaxmp._src.deepspeed import (  # pylint: disable=g-import-not-at-top
+      TRAINER_FLAGS,
+      load_deepspeed_config,
+      parse_deepspeed_json,
+  )
 
   def one_line(text: str) -> str:
     return " ".join(str(text).split())
@@ -54,7 +68,20 @@ def _run_convert(args: argparse.Namespace) -> int:
         source = "the DeepSpeed config read from standard input"
       else:
         config, source = args.config, f"the DeepSpeed config {args.config}"
-      code, left_out = deepspeed_config_to_code(config, source=source)
+      training_args = None
+      if args.training_args is not None:
+        training_args = load_deepspeed_config(
+            args.training_args, "the Trainer's arguments")
+        source += f" with the Trainer's arguments {args.training_args}"
+      flags = {name: getattr(args, name) for name in TRAINER_FLAGS
+               if getattr(args, name) is not None}
+      if flags:
+        training_args = {**(training_args or {}), **flags}
+        source += " and " if args.training_args else " with "
+        source += " ".join(f"--{name}" if value is True else f"--{name} {value}"
+                           for name, value in flags.items())
+      code, left_out = deepspeed_config_to_code(
+          config, source=source, training_args=training_args)
   except (ValueError, TypeError) as e:
     print(f"jaxmp convert: error: {one_line(e)}", file=sys.stderr)
     return 2

@@ -11,6 +11,7 @@ from jaxmp._src.deepspeed import (
     checked,
     load_deepspeed_config,
     suggestion,
+    with_trainer_args,
 )
 from jaxmp._src.loss_scale import INT32_MAX
 from jaxmp._src.validation import check_bool, check_number
@@ -198,7 +199,7 @@ def _accumulation(config: dict[str, Any], notes: list[tuple[str, str]]) -> int:
 
 
 def deepspeed_config_to_code(
-    config: Any, *, source: str = "the DeepSpeed config"
+    config: Any, *, source: str = "the DeepSpeed config", training_args: Any = None
 ) -> tuple[str, list[tuple[str, str]]]:
   """Returns jaxmp code equivalent to a DeepSpeed config, and what it left out.
 
@@ -217,6 +218,9 @@ def deepspeed_config_to_code(
   Args:
     config: as for :func:`jaxmp.from_deepspeed_config`.
     source: how the config is named in the code's first comment.
+    training_args: the Hugging Face Trainer's arguments, as for
+      :func:`jaxmp.from_deepspeed_config`: its ``"auto"`` values are filled
+      in from them, clipping and accumulation included.
 
   Returns:
     ``(code, left_out)``: the Python code, and ``(key, advice)`` pairs for the
@@ -235,6 +239,8 @@ def deepspeed_config_to_code(
     ['gradient_clipping', 'zero_optimization']
   """
   config = load_deepspeed_config(config)
+  if training_args is not None:
+    config = with_trainer_args(config, training_args)
   precision = _precision(config)
   notes = list(precision.ignored)
   placeholders: list[str] = []

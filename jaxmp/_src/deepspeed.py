@@ -9,6 +9,8 @@ know. ``jaxmp convert`` (``_src/codegen.py``) builds on the same reader.
 
 from __future__ import annotations
 
+import argparse
+import copy
 import dataclasses
 import difflib
 import json
@@ -26,7 +28,7 @@ from jaxmp._src.loss_scale import (
     StaticLossScale,
 )
 from jaxmp._src.policy import Policy, get_policy
-from jaxmp._src.validation import check_bool, check_number
+from jaxmp._src.validation import check_bool, check_number, listing
 
 # DeepSpeed's defaults for the fp16 block (its precision config).
 DEEPSPEED_FP16_DEFAULTS = {
@@ -81,7 +83,8 @@ def suggestion(key: str, known: Any) -> str:
   return f" Did you mean '{lowered[match[0]]}'?" if match else ""
 
 
-def checked(check: Callable[..., Any], name: str, value: Any, **kwargs: Any) -> Any:
+def checked(check: Callable[..., Any], name: str, value: Any, *,
+            owner: str = _OWNER, **kwargs: Any) -> Any:
   """Runs a validator of ``_src/validation.py`` on a value read from a config.
 
   Everything wrong inside a config raises ``ValueError`` (as ``json`` and
@@ -92,7 +95,7 @@ def checked(check: Callable[..., Any], name: str, value: Any, **kwargs: Any) -> 
     kwargs["advice"] = " ".join(
         ["Write a JSON number, without quotes.", kwargs.get("advice", "")]).strip()
   try:
-    return check(_OWNER, name, value, **kwargs)
+    return check(owner, name, value, **kwargs)
   except TypeError as e:
     raise _ConfigError(str(e)) from None
 
@@ -170,12 +173,14 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
   return config
 
 
-def parse_deepspeed_json(text: str, source: str) -> dict[str, Any]:
+def parse_deepspeed_json(text: str, source: str,
+                         what: str = "a DeepSpeed config") -> dict[str, Any]:
   """Parses the text of a DeepSpeed config (comments, trailing commas, a BOM).
 
   Args:
     text: the JSON text.
     source: how the text is named in errors, e.g. ``"standard input"``.
+    what: what the text should hold, for errors.
 
   Returns:
     The config dict.
@@ -202,18 +207,18 @@ def parse_deepspeed_json(text: str, source: str) -> dict[str, Any]:
     ) from None
   except RecursionError:
     raise _ConfigError(
-        f"{source} is nested too deeply to parse; a DeepSpeed config is an "
-        "object a few levels deep: check that this is the right file"
+        f"{source} is nested too deeply to parse; {what} is an object a few "
+        "levels deep: check that this is the right file"
     ) from None
   if not isinstance(config, dict):
     raise _ConfigError(
-        f"{source} must hold a JSON object (a DeepSpeed config), got a "
+        f"{source} must hold a JSON object ({what}), got a "
         f"{type(config).__name__}"
     )
   return config
 
 
-def load_deepspeed_config(config: Any) -> dict[str, Any]:
+def load_deepspeed_config(config: Any, what: str = "a DeepSpeed config") -> dict[str, Any]:
   """Returns a DeepSpeed config as a dict, from a dict, a JSON string or a path.
 
   JSON text may carry ``//`` and ``/* */`` comments and trailing commas
@@ -223,6 +228,7 @@ def load_deepspeed_config(config: Any) -> dict[str, Any]:
   Args:
     config: a dict, JSON text (a string that starts with a byte-order mark,
       ``{``, ``[`` or a comment, or spans several lines), or a path to a file.
+    what: what ``config`` holds, for errors.
 
   Returns:
     The config dict (a dict passed in is returned as is).
@@ -243,13 +249,13 @@ def load_deepspeed_config(config: Any) -> dict[str, Any]:
     try:
       config = bytes(config).decode("utf-8")
     except UnicodeDecodeError as e:
-      raise _ConfigError(f"the DeepSpeed config bytes are not UTF-8: {e}") from None
+      raise _ConfigError(f"the bytes of {what} are not UTF-8: {e}") from None
   if isinstance(config, str) and (
       config.startswith("\ufeff")
       or "\n" in config
       or config.lstrip().startswith(("{", "[", "//", "/*"))
   ):
-    return parse_deepspeed_json(config, "the JSON string")
+    return parse_deepspeed_json(config, "the JSON string", what)
   if isinstance(config, (str, os.PathLike)):
     path = os.fspath(config)
     try:
@@ -258,14 +264,14 @@ def load_deepspeed_config(config: Any) -> dict[str, Any]:
     except FileNotFoundError:
       raise _ConfigError(
           f"no such file: {path!r}; pass a dict, a JSON string or the path of "
-          "a DeepSpeed config file"
+          f"a file that holds {what}"
       ) from None
     except (OSError, UnicodeDecodeError) as e:
       raise _ConfigError(f"cannot read {path!r}: {e}") from None
-    return parse_deepspeed_json(text, repr(path))
+    return parse_deepspeed_json(text, repr(path), what)
   raise TypeError(
-      "from_deepspeed_config expects a dict, a JSON string or a path, got a "
-      f"{type(config).__name__}."
+      f"from_deepspeed_config expects a dict, a JSON string or a path for {what}, "
+      f"got a {type(config).__name__}."
   )
 
 
@@ -296,7 +302,9 @@ def _enabled(block: dict[str, Any], name: str) -> bool:
     warnings.warn(
         f'DeepSpeed config: {name}.enabled is "auto" (the Hugging Face '
         "Trainer fills it in from --fp16/--bf16); read as DeepSpeed's default, "
-        f"false. Set {name}.enabled to true or false to choose.",
+        "false. Pass the Trainer's arguments to resolve it as the Trainer "
+        "does (training_args=..., or `jaxmp convert --training-args "
+        f"args.json`, --bf16, --fp16), or set {name}.enabled to true or false.",
         UserWarning,
         stacklevel=4,
     )
@@ -335,6 +343,15 @@ def _warn_misspelt_blocks(config: dict[str, Any]) -> None:
 
 def _precision(config: dict[str, Any]) -> _Precision:
   _warn_misspelt_blocks(config)
+  amp = config.get("amp")
+  if isinstance(amp, dict) and _enabled(amp, "amp"):
+    raise _ConfigError(
+        "DeepSpeed config: amp.enabled is true: DeepSpeed hands mixed "
+        f"precision to NVIDIA apex (opt_level {amp.get('opt_level', 'O1')!r}). "
+        f"{_ONE_MODE} Replace the amp block with \"fp16\": {{\"enabled\": true}} "
+        "(mixed_float16 with a dynamic loss scale) or, where the hardware runs "
+        "bfloat16, \"bf16\": {\"enabled\": true} (mixed_bfloat16)."
+    )
   fp16 = _block(config, "fp16", FP16_KEYS)
   bf16_name = "bf16" if "bf16" in config or "bfloat16" not in config else "bfloat16"
   bf16 = _block(config, bf16_name, BF16_KEYS)
@@ -411,7 +428,180 @@ def _precision(config: dict[str, Any]) -> _Precision:
   return _Precision(policy, loss_scale, "fp16-dynamic", tuple(ignored))
 
 
-def from_deepspeed_config(config: Any) -> tuple[Policy, LossScale]:
+# ---------------------------------------------------------------------------
+# The Hugging Face Trainer's arguments, which fill in the config's "auto" values.
+
+# The TrainingArguments that decide what "auto" becomes, with the Trainer's
+# defaults (a run that does not give one uses its default).
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "fp16": False,
+    "bf16": False,
+    "fp16_full_eval": False,
+    "bf16_full_eval": False,
+    "half_precision_backend": "auto",
+    "max_grad_norm": 1.0,
+    "gradient_accumulation_steps": 1,
+    "learning_rate": 5e-5,
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.999,
+    "adam_epsilon": 1e-8,
+    "weight_decay": 0.0,
+}
+# The Trainer's command-line flags that are read (also by `jaxmp convert`).
+TRAINER_FLAGS = ("fp16", "bf16", "max_grad_norm", "gradient_accumulation_steps")
+_TRAINER = "Trainer arguments"
+_ONE_MODE = (
+    "jaxmp has one mixed-precision mode, DeepSpeed's fp16/bf16 one: float32 "
+    "master params, float16 or bfloat16 compute, and a dynamic loss scale "
+    "for float16; there is no apex opt_level to choose."
+)
+
+
+def _trainer_bool(text: str) -> bool:
+  """A bool flag's value, as the Trainer's argument parser reads it."""
+  if text.lower() in ("yes", "true", "t", "y", "1"):
+    return True
+  if text.lower() in ("no", "false", "f", "n", "0"):
+    return False
+  raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_trainer_flags(parser: argparse.ArgumentParser) -> None:
+  """Adds the Trainer's flags that decide precision, clipping and accumulation."""
+  for name in ("fp16", "bf16"):
+    parser.add_argument(
+        f"--{name}", nargs="?", const=True, default=None, type=_trainer_bool,
+        metavar="BOOL", help=f"the Trainer's --{name}: fills in {name}.enabled")
+  parser.add_argument(
+      "--max_grad_norm", "--max-grad-norm", type=float, default=None,
+      metavar="NORM", help="the Trainer's --max_grad_norm (default 1.0): fills "
+      "in gradient_clipping")
+  parser.add_argument(
+      "--gradient_accumulation_steps", "--gradient-accumulation-steps",
+      type=int, default=None, metavar="K", help="the Trainer's "
+      "--gradient_accumulation_steps (default 1)")
+
+
+def _trainer_flags(argv: list[str] | tuple[str, ...]) -> dict[str, Any]:
+  """The Trainer's arguments read from its command line; other flags are left."""
+  parser = argparse.ArgumentParser(
+      prog="training_args", add_help=False, allow_abbrev=False, exit_on_error=False)
+  add_trainer_flags(parser)
+  flags = [f"--{name}" for name in TRAINER_FLAGS]
+  advice = ("Write the flags as the Trainer's command line takes them, each a "
+            "string: ['--bf16', '--max_grad_norm', '1.0', "
+            "'--gradient_accumulation_steps', '4'].")
+  if not all(isinstance(token, str) for token in argv):
+    raise _ConfigError(f"{_TRAINER}: the command line {list(argv)!r} holds a "
+                       f"value that is not a string. {advice}")
+  try:
+    namespace, rest = parser.parse_known_args(list(argv))
+  except argparse.ArgumentError as e:
+    flag = (e.argument_name or "").split("/")[0]
+    raise _ConfigError(f"{_TRAINER}: {flag}: {e.message}. {advice}") from None
+  for token in rest:
+    name = token.split("=")[0]
+    hint = suggestion(name, flags) if name.startswith("-") else ""
+    if hint:
+      raise _ConfigError(
+          f"{_TRAINER}: the flag {name} is not one the conversion reads "
+          f"({', '.join(flags)}).{hint}")
+  return {key: value for key, value in vars(namespace).items() if value is not None}
+
+
+def _trainer_values(training_args: Any) -> dict[str, Any]:
+  """The Trainer's arguments that fill in "auto", checked, defaults included."""
+  if isinstance(training_args, (list, tuple)):
+    given = _trainer_flags(training_args)
+  else:
+    given = load_deepspeed_config(training_args, "the Trainer's arguments")
+  if "fp16_backend" in given and "half_precision_backend" not in given:
+    given = {**given, "half_precision_backend": given["fp16_backend"]}
+  args = {**TRAINER_DEFAULTS, **{k: v for k, v in given.items() if k in TRAINER_DEFAULTS}}
+  for key, default in TRAINER_DEFAULTS.items():
+    if isinstance(default, bool):
+      args[key] = checked(check_bool, key, args[key], owner=_TRAINER,
+                          advice="Write true or false, without quotes.")
+    elif not isinstance(default, str):
+      args[key] = checked(
+          check_number, key, args[key], owner=_TRAINER,
+          integer=isinstance(default, int), minimum=1 if isinstance(default, int) else 0,
+          maximum=1 if key.startswith("adam_beta") else None,
+          exclusive_maximum=key.startswith("adam_beta"),
+          advice=f"The Trainer's default is {default!r}.")
+  if args["fp16"] and args["bf16"]:
+    raise _ConfigError(
+        f"{_TRAINER}: fp16 and bf16 are both true, which the Trainer refuses "
+        "too; keep one (bf16 needs no loss scaling where the hardware runs "
+        "it, see `jaxmp doctor`).")
+  if (args["fp16"] or args["fp16_full_eval"]) and args["half_precision_backend"] == "apex":
+    raise _ConfigError(
+        f"{_TRAINER}: fp16 with half_precision_backend 'apex' makes the "
+        "Trainer fill in amp.enabled (NVIDIA apex, opt_level from "
+        f"fp16_opt_level {given.get('fp16_opt_level', 'O1')!r}) instead of "
+        f"fp16.enabled. {_ONE_MODE} Drop the apex backend (the Trainer's "
+        "default then fills in fp16.enabled: mixed_float16 with a dynamic "
+        "loss scale).")
+  return args
+
+
+def with_trainer_args(config: dict[str, Any], training_args: Any) -> dict[str, Any]:
+  """``config`` with its "auto" values filled in as the Hugging Face Trainer does.
+
+  The Trainer replaces each "auto" with its argument (``fp16.enabled`` with
+  ``fp16`` or ``fp16_full_eval``, ``bf16.enabled`` with ``bf16`` or
+  ``bf16_full_eval``, ``gradient_clipping`` with ``max_grad_norm``,
+  ``gradient_accumulation_steps``, the optimizer's ``lr``, ``betas``,
+  ``eps`` and ``weight_decay``), refuses a value that differs from its
+  argument, and adds an enabled fp16 or bf16 block that the config lacks.
+  A ``gradient_accumulation_steps`` that the config lacks is the Trainer's.
+  """
+  args = _trainer_values(training_args)
+  config = copy.deepcopy(config)
+  fp16 = args["fp16"] or args["fp16_full_eval"]
+  bf16 = args["bf16"] or args["bf16_full_eval"]
+  for name, on in (("fp16", fp16), ("bf16", bf16)):
+    if on and name not in config:
+      config[name] = {"enabled": True}
+  config.setdefault("gradient_accumulation_steps", args["gradient_accumulation_steps"])
+  amp = config.get("amp")
+  if isinstance(amp, dict) and amp.get("enabled") == "auto":
+    amp["enabled"] = False  # the Trainer's apex backend is refused above
+  fills = [
+      ("fp16.enabled", fp16, "fp16"),
+      ("bf16.enabled", bf16, "bf16"),
+      ("gradient_clipping", args["max_grad_norm"], "max_grad_norm"),
+      ("gradient_accumulation_steps", args["gradient_accumulation_steps"],
+       "gradient_accumulation_steps"),
+      ("optimizer.params.lr", args["learning_rate"], "learning_rate"),
+      ("optimizer.params.betas", [args["adam_beta1"], args["adam_beta2"]],
+       "adam_beta1, adam_beta2"),
+      ("optimizer.params.eps", args["adam_epsilon"], "adam_epsilon"),
+      ("optimizer.params.weight_decay", args["weight_decay"], "weight_decay"),
+  ]
+  mismatches = []
+  for key, value, name in fills:
+    *parents, leaf = key.split(".")
+    node = config
+    for parent in parents:
+      node = node.get(parent) if isinstance(node, dict) else None
+    if not isinstance(node, dict) or node.get(leaf) is None:
+      continue
+    if node[leaf] == "auto":
+      node[leaf] = value
+    elif node[leaf] != value:
+      mismatches.append(f"{key} is {json.dumps(node[leaf])} in the config and "
+                        f"{name} {value!r} in the Trainer's arguments")
+  if mismatches:
+    raise _ConfigError(
+        f"DeepSpeed config: {listing(mismatches, '; ')}. The Hugging Face "
+        "Trainer refuses a config value that differs from its argument. Set "
+        'the value to "auto" in the config (it then takes the Trainer\'s), or '
+        "give the Trainer the config's value.")
+  return config
+
+
+def from_deepspeed_config(config: Any, *, training_args: Any = None) -> tuple[Policy, LossScale]:
   """Returns the jaxmp policy and loss scale equivalent to a DeepSpeed config.
 
   Only the ``fp16`` and ``bf16`` blocks are read (``bfloat16`` is accepted as
@@ -427,8 +617,23 @@ def from_deepspeed_config(config: Any) -> tuple[Policy, LossScale]:
     :class:`jaxmp.StaticLossScale`.
   * ``bf16.enabled`` gives ``mixed_bfloat16`` and :class:`jaxmp.NoOpLossScale`.
   * Neither gives ``float32`` and :class:`jaxmp.NoOpLossScale`. An
-    ``enabled: "auto"`` is read as false, with a warning, and so is a
-    top-level key that looks like a misspelt ``fp16`` or ``bf16``.
+    ``enabled: "auto"`` is read as false, with a warning, unless
+    ``training_args`` are given; a top-level key that looks like a misspelt
+    ``fp16`` or ``bf16`` also warns.
+  * ``amp.enabled`` (NVIDIA apex) is refused: jaxmp has no apex mode, and
+    the error says which block to write instead.
+
+  With ``training_args``, the Hugging Face Trainer's arguments, the config is
+  read as the Trainer hands it to DeepSpeed: each ``"auto"`` takes the
+  Trainer's value (``fp16.enabled`` from ``fp16`` or ``fp16_full_eval``,
+  ``bf16.enabled`` from ``bf16`` or ``bf16_full_eval``, and, for ``jaxmp
+  convert``, ``gradient_clipping`` from ``max_grad_norm``,
+  ``gradient_accumulation_steps`` and the optimizer's ``lr``, ``betas``,
+  ``eps``, ``weight_decay``); an argument not given takes the Trainer's
+  default; a config value that differs from the Trainer's is refused, as
+  the Trainer refuses it; and ``--fp16``/``--bf16`` enable a block the
+  config lacks. ``fp16`` with ``half_precision_backend="apex"`` is refused
+  as ``amp.enabled`` is.
 
   What DeepSpeed refuses is refused: a key given twice in one object (JSON
   would keep the last one), and a key inside ``fp16``/``bf16`` that DeepSpeed
@@ -445,15 +650,22 @@ def from_deepspeed_config(config: Any) -> tuple[Policy, LossScale]:
   Args:
     config: a dict, a JSON string or the path of a JSON file; ``//`` and
       ``/* */`` comments, trailing commas and a byte-order mark are accepted.
+    training_args: the Trainer's ``TrainingArguments``, as a dict (its
+      ``to_dict()``), the JSON text its ``to_json_string()`` writes or the
+      path of a file holding it, or the command line as a list of strings
+      (``["--bf16", "--gradient_accumulation_steps", "4"]``: ``--fp16``,
+      ``--bf16``, ``--max_grad_norm`` and ``--gradient_accumulation_steps``
+      are read, other flags are left). ``None``: the config alone.
 
   Returns:
     ``(policy, loss_scale)``.
 
   Raises:
     ValueError: when the file cannot be read or parsed, a key is duplicated
-      or unknown, fp16 and bf16 are both enabled, or a value is ill-typed or
-      makes no sense (``hysteresis: 0``, ``min_loss_scale`` above the initial
-      scale, a negative ``loss_scale``).
+      or unknown, fp16 and bf16 are both enabled, apex AMP is, a value is
+      ill-typed or makes no sense (``hysteresis: 0``, ``min_loss_scale``
+      above the initial scale, a negative ``loss_scale``), or a config value
+      differs from the Trainer's argument.
     TypeError: when ``config`` is not a dict, a string or a path.
 
   Example:
@@ -463,6 +675,13 @@ def from_deepspeed_config(config: Any) -> tuple[Policy, LossScale]:
     ...     '          "initial_scale_power": 12, "hysteresis": 2,}}')
     >>> str(policy), float(loss_scale.loss_scale), loss_scale.period
     ('p=f32,c=f16,o=f32', 4096.0, 1000)
+    >>> policy, _ = jaxmp.from_deepspeed_config(
+    ...     {"bf16": {"enabled": "auto"}}, training_args=["--bf16"])
+    >>> str(policy)
+    'p=f32,c=bf16,o=f32'
   """
-  precision = _precision(load_deepspeed_config(config))
+  config = load_deepspeed_config(config)
+  if training_args is not None:
+    config = with_trainer_args(config, training_args)
+  precision = _precision(config)
   return precision.policy, precision.loss_scale

@@ -20,7 +20,7 @@ kept as it is when it does). It knows plain optax states; the Flax targets (a
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -39,7 +39,7 @@ from jaxmp._src.loss_scaling import (
 )
 from jaxmp._src.monitor import LossScaleMonitor
 from jaxmp._src.policy import PolicyLike
-from jaxmp._src.validation import check_number
+from jaxmp._src.validation import check_number, listing
 
 _logger = logging.getLogger("jaxmp")
 
@@ -667,8 +667,21 @@ class PrecisionFallback:
     """Resumes from :meth:`state_dict`; the ladder must be the same.
 
     Raises:
-      ValueError: if the saved ladder differs from this controller's.
+      TypeError: if ``state`` is not a dict, or a value is of the wrong kind.
+      ValueError: if ``state`` lacks a key of :meth:`state_dict`'s, its rung
+        is not one of the ladder's, an event is not a
+        :class:`jaxmp.PrecisionSwitch`'s fields, or the saved ladder differs
+        from this controller's.
     """
+    owner = "PrecisionFallback.load_state_dict"
+    fix = ("Pass the dict that PrecisionFallback.state_dict() returned, or let "
+           "jaxmp.flax.restore_checkpoint(..., fallback=controller) load it.")
+    if not isinstance(state, Mapping):
+      raise TypeError(f"{owner}: state must be the dict of state_dict(), got a "
+                      f"{type(state).__name__}. {fix}")
+    missing = [key for key in self.state_dict() if key not in state]
+    if missing:
+      raise ValueError(f"{owner}: the state lacks {listing(missing)}. {fix}")
     ladder = [str(p) for p in self.ladder]
     if list(state["ladder"]) != ladder:
       raise ValueError(
@@ -676,9 +689,22 @@ class PrecisionFallback:
           f"the ladder {list(state['ladder'])}, but this one has {ladder}. "
           "Build the controller with the ladder of the run you resume."
       )
-    self.rung = int(state["rung"])
+    rung = check_number(
+        owner, "rung", state["rung"], integer=True, minimum=0,
+        maximum=len(ladder) - 1,
+        advice=f"It indexes the ladder of {len(ladder)} policies. {fix}")
+    base = check_number(owner, "overflows_at_min_base", state["overflows_at_min_base"],
+                        integer=True, minimum=0, advice=fix)
+    fields = set(PrecisionSwitch._fields)
+    events = state["events"]
+    for event in events if isinstance(events, (list, tuple)) else [events]:
+      if not isinstance(event, Mapping) or set(event) != fields:
+        raise ValueError(
+            f"{owner}: the event {event!r} is not a dict with the fields of a "
+            f"jaxmp.PrecisionSwitch ({', '.join(PrecisionSwitch._fields)}). {fix}")
+    self.rung = rung
     self.policy = as_policy(state["policy"])
-    self._overflows_at_min_base = int(state["overflows_at_min_base"])
+    self._overflows_at_min_base = base
     self.events = [PrecisionSwitch(**event) for event in state["events"]]
     self._window_start = None
     self._rate_logged = False

@@ -20,7 +20,7 @@ import optax
 
 from jaxmp._src.inplace_select import check_same_structure, update_or_keep
 from jaxmp._src.loss_scale import LossScale, NoOpLossScale, agree_across, all_finite
-from jaxmp._src.validation import check_bool, check_number
+from jaxmp._src.validation import check_bool, check_number, jmp_loss_scale_fix
 
 AxisName = Any  # a hashable axis name or a tuple of them
 KeyPath = tuple[Any, ...]
@@ -172,7 +172,7 @@ def wrap_with_loss_scaling(
     raise TypeError(
         f"{owner} expects a loss scale such as jaxmp.DynamicLossScale(), "
         f"jaxmp.StaticLossScale(2.0**15) or jaxmp.NoOpLossScale(); got "
-        f"{loss_scale!r}."
+        f"{loss_scale!r}.{jmp_loss_scale_fix(loss_scale)}"
     )
   if not (hasattr(inner, "init") and hasattr(inner, "update")):
     raise TypeError(

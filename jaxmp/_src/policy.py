@@ -81,6 +81,9 @@ VALID_PRESETS = (*PRESETS, "auto")
 _FP8_KEYS = ("dot", "amax_history")
 _FP8_DOT_NAMES = ("fp8", "f8")
 DEFAULT_AMAX_HISTORY_LENGTH = 1024  # Flax's default
+# Each FP8 matmul keeps three float32 histories of this length, allocated at
+# model init: beyond this, memory runs out there, far from the policy.
+MAX_AMAX_HISTORY_LENGTH = 2**16
 
 _DTYPE_HELP = f"Valid dtype names are: {', '.join(VALID_DTYPE_NAMES)}."
 # Appended to every error about a policy string: what each part may be.
@@ -616,7 +619,7 @@ class Fp8Policy(Policy):
     super().__post_init__()
     object.__setattr__(self, "amax_history_length", check_number(
         "Fp8Policy", "amax_history_length", self.amax_history_length,
-        integer=True, minimum=1,
+        integer=True, minimum=1, maximum=MAX_AMAX_HISTORY_LENGTH,
         advice=f"Flax's default is {DEFAULT_AMAX_HISTORY_LENGTH}; short "
         "histories (16) react faster to a changing range."))
 
@@ -798,12 +801,13 @@ def _parse_fp8_part(spec: str, key: str, value: str, fp8: dict[str, Any]) -> Non
     length = int(value)
   except ValueError:
     length = 0
-  if length < 1 or str(length) != value:
+  if not 1 <= length <= MAX_AMAX_HISTORY_LENGTH or str(length) != value:
     raise ValueError(
         f"In policy {spec!r}, key 'amax_history': {value!r} is not a whole "
-        "number >= 1. Give the length of the amax histories of the FP8 "
-        f"matmuls, e.g. 'amax_history=16' (Flax's default is "
-        f"{DEFAULT_AMAX_HISTORY_LENGTH}).")
+        f"number >= 1 and <= {MAX_AMAX_HISTORY_LENGTH} (each FP8 matmul keeps "
+        "three histories of that length). Give the length of the amax "
+        "histories of the FP8 matmuls, e.g. 'amax_history=16' (Flax's default "
+        f"is {DEFAULT_AMAX_HISTORY_LENGTH}).")
   fp8[key] = length
 
 

@@ -16,6 +16,18 @@ from jaxmp._src.validation import check_bool, check_number
 NEVER_GROW_PERIOD = INT32_MAX
 
 
+# torch.device types, which GradScaler takes as its first argument.
+_DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu", "xla", "hpu", "npu", "mtia", "meta")
+
+
+def _is_number(text: str) -> bool:
+  try:
+    float(text)
+  except ValueError:
+    return False
+  return True
+
+
 def from_torch_grad_scaler(
     init_scale: float = 65536.0,
     growth_factor: float = 2.0,
@@ -58,8 +70,9 @@ def from_torch_grad_scaler(
     ``enabled`` is false.
 
   Raises:
-    TypeError: for non-numbers (e.g. a device name passed positionally), a
-      non-integer ``growth_interval`` or a non-bool ``enabled``.
+    TypeError: for non-numbers (e.g. a device name passed positionally, or
+      a number in quotes), a non-integer ``growth_interval`` or a non-bool
+      ``enabled``.
     ValueError: for a non-positive or non-finite ``init_scale``,
       ``growth_factor <= 1`` or ``backoff_factor`` outside (0, 1), also with
       ``enabled=False`` (PyTorch checks the factors only when enabled).
@@ -82,7 +95,9 @@ def from_torch_grad_scaler(
       ("growth_interval", growth_interval, "2000", dict(integer=True)),
   ):
     advice = f"PyTorch's default is {default}."
-    if isinstance(value, str):
+    if isinstance(value, str) and _is_number(value):
+      advice = f"Pass a number, not a string: {name}={value.strip()}."
+    elif isinstance(value, str) and value.split(":")[0].lower() in _DEVICE_TYPES:
       advice = "It looks like a device name: jaxmp takes no device argument, drop it."
     values[name] = check_number(owner, name, value, advice=advice, **bounds)
   if not enabled:

@@ -207,6 +207,34 @@ def check_state_value(
   return np.asarray(number, dtype)
 
 
+def jmp_loss_scale_fix(value: Any) -> str:
+  """How to write jmp's loss scale ``value`` as jaxmp's; ``""`` for anything else.
+
+  Example:
+    >>> import jmp
+    >>> print(jmp_loss_scale_fix(jmp.StaticLossScale(np.float32(8.0))).split(". ")[0])
+     That is jmp's StaticLossScale, which jaxmp does not run: write jaxmp.StaticLossScale(loss_scale=8.0)
+  """
+  kind = type(value).__name__
+  if not (type(value).__module__.split(".")[0] == "jmp"
+          and kind in ("DynamicLossScale", "StaticLossScale", "NoOpLossScale")):
+    return ""
+
+  def plain(field):
+    field_value = getattr(value, field)
+    if isinstance(field_value, jax.core.Tracer):
+      return "..."
+    return repr(np.asarray(field_value).item())
+
+  fields = ("loss_scale", "counter", "period", "factor", "min_loss_scale")
+  args = ", ".join(f"{f}={plain(f)}" for f in fields if hasattr(value, f))
+  return (
+      f" That is jmp's {kind}, which jaxmp does not run: write "
+      f"jaxmp.{kind}({args}). Or import jaxmp as jmp instead of jmp, which "
+      f"makes jmp.{kind}(...) jaxmp's."
+  )
+
+
 def listing(items: Iterable[str], separator: str = ", ", shown: int = 6) -> str:
   """The first ``shown`` items joined by ``separator``, then "and N more".
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src.loss_scale import LossScale
+from jaxmp._src.validation import jmp_loss_scale_fix
 
 _ARRAY_LEAVES = (jax.Array, np.ndarray, np.generic, int, float, complex, bool)
 
@@ -126,6 +127,7 @@ def scale_then_differentiate(
     raise TypeError(
         f"{caller} expects a loss scale as its second argument, got a "
         f"{type(loss_scale).__name__}. {state_hint}"
+        f"{jmp_loss_scale_fix(loss_scale)}"
     )
   if not callable(value_and_grad):
     raise TypeError(
@@ -197,6 +199,19 @@ def _checked_scaled_loss(fun, loss_scale, has_aux, caller, args, kwargs):
     loss, aux = out
   else:
     loss, aux = out, None
+  if not isinstance(loss, _ARRAY_LEAVES):
+    if has_aux:
+      fix = ("Return (loss, aux) with the loss a scalar array first, e.g. "
+             "(loss, {'accuracy': accuracy}).")
+    elif isinstance(loss, tuple) and len(loss) == 2:
+      fix = "If fun returns (loss, aux), pass has_aux=True."
+    else:
+      fix = ("Return the loss as a scalar array; to return more (a dict of "
+             "metrics, say), return (loss, aux) and pass has_aux=True.")
+    raise TypeError(
+        f"{caller}{'(has_aux=True)' if has_aux else ''} expects fun to return "
+        f"a scalar loss, got a {type(loss).__name__}. {fix}"
+    )
   if np.shape(loss) != ():
     raise TypeError(
         f"{caller} expects fun to return a scalar loss, got shape "

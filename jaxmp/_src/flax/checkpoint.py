@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 from typing import Any
 
 import jax
@@ -112,6 +113,21 @@ def _checkpointer():
   return ocp, ocp.Checkpointer(ocp.CompositeCheckpointHandler())
 
 
+def _sibling(directory: pathlib.Path, role: str) -> pathlib.Path:
+  """A hidden directory beside ``directory``, where a rename is atomic.
+
+  A forced save writes the new checkpoint in ``"writing"`` and moves the old
+  one to ``"replaced"`` while it swaps them.
+  """
+  return directory.with_name(f".{directory.name}.jaxmp-{role}")
+
+
+def _restorable(directory: pathlib.Path) -> pathlib.Path:
+  """``directory``, or the old checkpoint a forced save killed mid-swap moved aside."""
+  aside = _sibling(directory, "replaced")
+  return aside if not directory.exists() and aside.is_dir() else directory
+
+
 def _path(key_path: tuple[Any, ...]) -> str:
   """``opt_state/inner_state/0/mu/kernel``: a key path as orbax names it."""
   return jax.tree_util.keystr(key_path, simple=True, separator="/")
@@ -200,7 +216,9 @@ def save_checkpoint(directory: str | os.PathLike[str], target: Any, *,
     target: a :class:`jaxmp.flax.TrainState` or any pytree of arrays, or NNX
       objects (an ``nnx.Optimizer``, or a tuple such as ``(model,
       optimizer)``), whose ``nnx.state`` is saved.
-    force: overwrite an existing checkpoint.
+    force: overwrite an existing checkpoint. The new checkpoint is written
+      beside the old one, which it replaces only once complete: a save that
+      fails or is killed leaves the old one restorable.
     fallback: the :class:`jaxmp.PrecisionFallback` that watches the run, if
       any: its state (the current policy, the switches) is saved too, and
       its policy is recorded for targets that carry none (an optax state,
@@ -222,14 +240,43 @@ def save_checkpoint(directory: str | os.PathLike[str], target: Any, *,
     from flax import nnx  # pylint: disable=g-import-not-at-top
 
     items = nnx.state(target)
-  checkpointer.save(
-      os.path.abspath(os.fspath(directory)),
-      args=ocp.args.Composite(
-          state=ocp.args.StandardSave(items),
-          jaxmp_config=ocp.args.JsonSave(_config(target, fallback)),
-      ),
-      force=force,
-  )
+
+  def write(path: pathlib.Path) -> None:
+    checkpointer.save(path, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(items),
+        jaxmp_config=ocp.args.JsonSave(_config(target, fallback)),
+    ))
+
+  directory = pathlib.Path(os.path.abspath(os.fspath(directory)))
+  aside = _sibling(directory, "replaced")
+  if not force or not (directory.exists() or aside.exists()):
+    write(directory)  # orbax writes beside it and renames: atomic
+    return
+  # orbax's force deletes the old checkpoint before it writes the new one.
+  # Write the new one beside it instead, and swap them once it is complete.
+  work = _sibling(directory, "writing")
+  primary = jax.process_index() == 0
+  if primary:
+    shutil.rmtree(work, ignore_errors=True)  # what a killed save left
+    work.mkdir()
+  try:
+    write(work / "checkpoint")
+  except BaseException:
+    if primary:
+      shutil.rmtree(work, ignore_errors=True)
+    raise
+  if primary:
+    if directory.exists():
+      shutil.rmtree(aside, ignore_errors=True)  # stale: directory is complete
+      os.rename(directory, aside)
+    # A kill here leaves the old checkpoint in `aside`: restore reads it.
+    os.rename(work / "checkpoint", directory)
+    shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+    multihost_utils.sync_global_devices("jaxmp.flax.save_checkpoint")
 
 
 def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
@@ -296,7 +343,7 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
     restore_checkpoint: the checkpoint was saved with
   """
   ocp, checkpointer = _checkpointer()
-  directory = pathlib.Path(os.path.abspath(os.fspath(directory)))
+  directory = _restorable(pathlib.Path(os.path.abspath(os.fspath(directory))))
   nnx_target = _is_nnx_node(target)
   fallback_state = None
   if nnx_target:

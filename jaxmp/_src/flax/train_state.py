@@ -33,7 +33,7 @@ from jaxmp._src.loss_scaling import (
 from jaxmp._src.precision_audit import warn_on_first_trace
 from jaxmp._src.policy import Fp8Policy, providing_collections
 from jaxmp._src.recovery import keep_on_skip
-from jaxmp._src.validation import check_bool
+from jaxmp._src.validation import check_bool, jmp_loss_scale_fix
 from jaxmp._src.value_and_grad import scale_then_differentiate
 
 
@@ -194,6 +194,7 @@ class TrainState(train_state.TrainState):
       raise TypeError(
           "TrainState.create: loss_scale must be a jaxmp loss scale such as "
           f"jaxmp.DynamicLossScale(); got {loss_scale!r}."
+          f"{jmp_loss_scale_fix(loss_scale)}"
       )
     apply_fn = policy.wrap_apply(apply_fn)
     params = policy.params_for_storage(params)
