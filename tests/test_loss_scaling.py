@@ -220,6 +220,28 @@ def test_core_step_under_strict_dtype_promotion():
   assert jax.tree_util.tree_leaves(updates)[0].dtype == jnp.float32
 
 
+def test_inner_optimizer_sees_gradients_in_the_params_dtype():
+  # unscale returns float16/bfloat16 leaves in float32; the wrapper casts
+  # them back before the check and the inner optimizer.
+  seen = {}
+
+  def update(grads, state, params=None):
+    del params
+    seen.update(jax.tree_util.tree_map(lambda g: g.dtype, grads))
+    return grads, state
+
+  inner = optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+  params = {"f16": jnp.ones(2, jnp.float16), "bf16": jnp.ones(2, jnp.bfloat16),
+            "f32": jnp.ones(2)}
+  tx = jaxmp.loss_scaling(inner, jaxmp.StaticLossScale(2.0**10))
+  grads = jax.tree_util.tree_map(lambda p: jnp.full(2, 3 * 2.0**10, p.dtype), params)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert seen == {k: p.dtype for k, p in params.items()}
+  chex.assert_trees_all_equal(
+      updates, jax.tree_util.tree_map(lambda p: jnp.full(2, 3.0, p.dtype), params),
+      strict=True)
+
+
 # -- Finding the state; where the wrapper sits --------------------------------
 
 SCALE = jaxmp.StaticLossScale(8.0)

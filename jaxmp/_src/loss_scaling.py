@@ -225,6 +225,10 @@ def wrap_with_loss_scaling(
       current = recovery.loss_scale
       fell_back = jnp.asarray(recovery.fell_back)
       recovered = (jnp.asarray(recovery.retries) > 0) | fell_back
+    # unscale returns float16/bfloat16 leaves in float32; the check and the
+    # inner optimizer see the gradients in their own dtypes.
+    unscaled = jax.tree_util.tree_map(
+        lambda u, g: u.astype(jnp.result_type(g)), unscaled, updates)
     grads, finite = clip_and_check(unscaled, clip_global_norm)
     if not guard:
       inner_updates, inner_state = inner.update(
