@@ -99,7 +99,7 @@ IMAGENET_SCALES = {
 @pytest.mark.parametrize("kind", IMAGENET_SCALES)
 def test_imagenet_example_unscales_as_jmp_does(kind):
   jmp = pytest.importorskip("jmp")
-  # The last input column is tiny: its gradient, about 2**-26, is below
+  # The last input column is tiny: its gradient, about 2**-27, is below
   # float16's smallest subnormal (2**-24) once unscaled.
   x = jax.random.normal(jax.random.key(0), (16, 3)) * jnp.array([1.0, 2.0**-10, 2.0**-25])
   params = {"w": jnp.full((3,), 0.5)}
