@@ -1,12 +1,12 @@
-# The commands of the README: `make demo`, `make test` and `make test-fast`.
-# Each creates .venv on first use and installs what it needs; VENV=path uses
-# another virtual environment.
+# The commands of the README: `make demo`, `make test`, `make test-fast` and
+# `make test-min`. Each creates .venv (test-min: .venv-min) on first use and
+# installs what it needs; VENV=path uses another virtual environment.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast test-slow docs docs-serve bench clean
+.PHONY: demo test test-fast test-min test-slow docs docs-serve bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,23 @@ test: $(VENV)/.installed-test
 test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -n 2 -m "not integration" $(PYTEST_ARGS)
 
+# The unit tier on the lowest supported versions: its own virtual environment
+# (VENV_MIN) with exactly the lower bounds of pyproject.toml's dependencies
+# and of its flax extra (each ">=" made "=="), and the test extra.
+VENV_MIN ?= .venv-min
+MIN_PINS = $(shell $(PYTHON) -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(" ".join(d.replace(">=", "==") for d in p["dependencies"] + p["optional-dependencies"]["flax"]))')
+
+$(VENV_MIN)/.installed-min: pyproject.toml
+	test -n "$(MIN_PINS)"  # the pins, read with Python 3.11's tomllib
+	rm -rf $(VENV_MIN)
+	$(PYTHON) -m venv $(VENV_MIN)
+	$(VENV_MIN)/bin/python -m pip install -q --upgrade pip
+	$(VENV_MIN)/bin/python -m pip install -q -e ".[test]" $(MIN_PINS)
+	touch $@
+
+test-min: $(VENV_MIN)/.installed-min
+	$(VENV_MIN)/bin/python -m pytest -n 2 -m "not integration" $(PYTEST_ARGS)
+
 test-slow: $(VENV)/.installed-test
 	$(PY) -m pytest -n 2 -m slow --run-slow $(PYTEST_ARGS)
 
@@ -55,4 +72,4 @@ docs-serve: $(VENV)/.installed-test
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --dev-addr 127.0.0.1:8000
 
 clean:
-	rm -rf $(VENV) site build *.egg-info
+	rm -rf $(VENV) $(VENV_MIN) site build *.egg-info

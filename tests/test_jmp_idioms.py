@@ -63,3 +63,57 @@ def test_half_dtype_is_callable_like_jmp():
   assert jaxmp.half_dtype()(2.0).dtype == np.dtype("float16")
   assert jaxmp.get_policy("half").compute_dtype == np.dtype("float16")
   assert jaxmp.cast_to_half(jnp.ones(2)).dtype == np.dtype("float16")
+
+
+def _imagenet_train_step(jmp, loss_scale, params, x, y):
+  """The step of dm-haiku's ImageNet example (its mixed-precision part).
+
+  As in examples/imagenet/train.py: the gradients of the scaled loss are cast
+  to the compute dtype (for the all-reduce), unscaled, cast to the param
+  dtype, checked, and the step is kept or skipped. Returns the unscaled
+  gradients, the new params and the new scale.
+  """
+  policy = jmp.get_policy("p=f32,c=f16,o=f32")
+
+  def loss_fn(params):
+    p, xc, yc = policy.cast_to_compute((params, x, y))
+    return loss_scale.scale(policy.cast_to_output(jnp.mean((xc @ p["w"] - yc) ** 2)))
+
+  grads = policy.cast_to_compute(jax.grad(loss_fn)(params))
+  unscaled = loss_scale.unscale(grads)
+  grads = policy.cast_to_param(unscaled)
+  grads_finite = jmp.all_finite(grads)
+  new_params = jmp.select_tree(
+      grads_finite, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads),
+      params)
+  return unscaled, new_params, loss_scale.adjust(grads_finite).loss_scale
+
+
+IMAGENET_SCALES = {
+    "NoOp": lambda jmp: jmp.NoOpLossScale(),
+    "Static": lambda jmp: jmp.StaticLossScale(jnp.float32(2**15)),
+    "Dynamic": lambda jmp: jmp.DynamicLossScale(jnp.float32(2**15)),
+}
+
+
+@pytest.mark.parametrize("kind", IMAGENET_SCALES)
+def test_imagenet_example_unscales_as_jmp_does(kind):
+  jmp = pytest.importorskip("jmp")
+  # The last input column is tiny: its gradient, about 2**-27, is below
+  # float16's smallest subnormal (2**-24) once unscaled.
+  x = jax.random.normal(jax.random.key(0), (16, 3)) * jnp.array([1.0, 2.0**-10, 2.0**-25])
+  params = {"w": jnp.full((3,), 0.5)}
+  y = x @ jnp.array([1.0, -2.0, 3.0])
+  step = jax.jit(_imagenet_train_step, static_argnums=0)
+  with warnings.catch_warnings(), jax.numpy_dtype_promotion("standard"):
+    warnings.simplefilter("ignore", DeprecationWarning)
+    want, want_params, want_scale = step(jmp, IMAGENET_SCALES[kind](jmp), params, x, y)
+  got, got_params, got_scale = step(jaxmp, IMAGENET_SCALES[kind](jaxmp), params, x, y)
+  # float16 gradients come back in float32 (NoOp: unchanged, float16), bit
+  # for bit as jmp's, and so does the step.
+  assert got["w"].dtype == (jnp.float16 if kind == "NoOp" else jnp.float32)
+  np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(want["w"]), strict=True)
+  np.testing.assert_array_equal(got_params["w"], want_params["w"], strict=True)
+  assert float(got_scale) == float(want_scale)
+  if kind != "NoOp":
+    assert 0 < abs(float(got["w"][2])) < 2.0**-24

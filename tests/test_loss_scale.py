@@ -222,15 +222,17 @@ def test_float16_loss_is_promoted_before_scaling():
   assert float(f64) == 3.0
 
 
-def test_unscale_keeps_each_leaf_dtype():
+def test_unscale_returns_half_precision_leaves_in_float32():
+  # As jmp's unscale (a float32 scale times the leaf) does: 2**-16 / 2**10
+  # is below float16's smallest subnormal, and is kept.
   ls = jaxmp.StaticLossScale(2.0**10)
-  grads = {"f32": jnp.full(3, 2.0**12), "f16": jnp.full(2, 2.0**11, jnp.float16),
+  grads = {"f32": jnp.full(3, 2.0**12), "f16": jnp.array([2.0**11, 2.0**-16], jnp.float16),
            "bf16": jnp.full(2, 3 * 2.0**10, jnp.bfloat16)}
   out = ls.unscale(grads)
-  assert {k: v.dtype for k, v in out.items()} == {k: v.dtype for k, v in grads.items()}
+  assert {k: v.dtype for k, v in out.items()} == {k: jnp.float32 for k in grads}
   chex.assert_trees_all_equal(
-      out, {"f32": jnp.full(3, 4.0), "f16": jnp.full(2, 2.0, jnp.float16),
-            "bf16": jnp.full(2, 3.0, jnp.bfloat16)})
+      out, {"f32": jnp.full(3, 4.0), "f16": jnp.array([2.0, 2.0**-26]),
+            "bf16": jnp.full(2, 3.0)})
 
 
 def test_complex_leaves_keep_their_imaginary_part(variant):

@@ -220,11 +220,15 @@ class LossScale:
     return jax.tree_util.tree_map(lambda x: _times(jnp.asarray(x), scale), tree)
 
   def unscale(self, tree: T) -> T:
-    """Divides each leaf by the loss scale; each leaf keeps its own dtype.
+    """Divides each leaf by the loss scale, returning it in at least float32.
 
-    The division is computed in at least float32 (complex leaves in their own
-    precision, real and imaginary parts alike) and the result is cast back to
-    the leaf's dtype.
+    float32, float64 and complex leaves keep their dtype (complex ones are
+    divided part by part); float16 and bfloat16 leaves come back in float32,
+    as jmp's ``unscale`` (a float32 scale times the leaf) returns them, so
+    that no small gradient underflows: a float16 gradient of ``2**-10`` under
+    a scale of ``2**15`` is ``2**-25``, below float16's smallest subnormal.
+    :func:`jaxmp.loss_scaling` casts the result back to the gradients' dtype
+    before its inner optimizer sees it.
     """
     scale = jnp.asarray(self.loss_scale, jnp.float32)
     # XLA divides by a scalar as a product with its reciprocal, and above
@@ -235,8 +239,7 @@ class LossScale:
     inverse, rest = jax.lax.optimization_barrier((1.0 / (scale * rest), rest))
 
     def unscale_leaf(x):
-      x = jnp.asarray(x)
-      return _times(_times(x, inverse), rest).astype(x.dtype)
+      return _times(_times(jnp.asarray(x), inverse), rest)
 
     return jax.tree_util.tree_map(unscale_leaf, tree)
 

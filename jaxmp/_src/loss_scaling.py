@@ -208,7 +208,10 @@ def wrap_with_loss_scaling(
     _refuse_fp8_meta(updates, owner)
     check_grads_match_params(updates, params, owner)
     current = state.loss_scale
-    unscaled = current.unscale(updates)
+    # unscale returns float16/bfloat16 leaves in float32; the check and the
+    # inner optimizer see the gradients in their own dtypes.
+    unscaled = jax.tree_util.tree_map(
+        lambda u, g: u.astype(jnp.result_type(g)), current.unscale(updates), updates)
     grads, finite = clip_and_check(unscaled, clip_global_norm)
     if not guard:
       inner_updates, inner_state = inner.update(
