@@ -12,6 +12,9 @@ skips no step.
 import dataclasses
 import functools
 import logging
+import pathlib
+import subprocess
+import sys
 
 import chex
 import flax.linen as nn
@@ -53,37 +56,114 @@ def _overflowing_opt_state(steps=2):
   return tx, params, state
 
 
+# -- Three frameworks -----------------------------------------------------------
+# A plain optax loop holds (params, opt_state); a jaxmp.flax.TrainState holds
+# its policy; an nnx.Optimizer is switched in place with its model.
+
+FRAMEWORKS = ("optax", "train_state", "nnx")
+
+
+def _overflowed(framework):
+  """A training state whose dynamic scale reached its floor, and its NNX model.
+
+  One finite step moved the moments, then two steps overflowed (the last one
+  at the minimum scale). The model is ``None`` but for NNX.
+  """
+  if framework == "optax":
+    _, params, opt_state = _overflowing_opt_state()
+    return (params, opt_state), None
+  loss_scale = jaxmp.DynamicLossScale(2.0, min_loss_scale=1.0)
+  inf = lambda tree: jax.tree_util.tree_map(lambda g: g * jnp.inf, tree)
+  if framework == "train_state":
+    state = _train_state(loss_scale=loss_scale)
+    ones = jax.tree_util.tree_map(jnp.ones_like, state.params)
+    for grads in (ones, inf(ones), inf(ones)):
+      state = state.apply_gradients(grads=grads)
+    return state, None
+  model, optimizer, _, _ = _nnx_run(loss_scale=loss_scale)
+  ones = jax.tree_util.tree_map(jnp.ones_like, nnx.state(model, nnx.Param))
+  for grads in (ones, inf(ones), inf(ones)):
+    optimizer.update(model, grads)
+  return optimizer, model
+
+
+def _opt_state(target):
+  return target[1] if isinstance(target, tuple) else target.opt_state
+
+
+def _kept(target, model):
+  """What a switch keeps bit-identical: the params, inner optimizer state, step."""
+  params = (nnx.state(model, nnx.Param) if model is not None
+            else target[0] if isinstance(target, tuple) else target.params)
+  return jax.tree_util.tree_map(jnp.copy, (
+      params, _opt_state(target).inner_state, getattr(target, "step", None)))
+
+
 # -- The switch itself ----------------------------------------------------------
 
 
-def test_switch_keeps_the_optimizer_state_and_counters_bit_identical():
-  _, _, state = _overflowing_opt_state()
-  switched = jaxmp.switch_precision(state, "float32")
-  assert jaxmp.get_loss_scale(switched) == jaxmp.NoOpLossScale()
-  assert switched.inner_state is state.inner_state  # not even a copy
-  _same_arrays(switched.inner_state, state.inner_state)
-  before, after = jaxmp.loss_scaling_metrics(state), jaxmp.loss_scaling_metrics(switched)
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_switch_keeps_the_optimizer_state_and_counters_bit_identical(framework):
+  target, model = _overflowed(framework)
+  opt_state, kept = _opt_state(target), _kept(target, model)
+  switched = jaxmp.switch_precision(target, "float32", model=model)
+  new = _opt_state(switched)
+  assert jaxmp.get_loss_scale(new) == jaxmp.NoOpLossScale()
+  assert new.inner_state is opt_state.inner_state  # not even a copy
+  _same_arrays(_kept(switched, model), kept)
+  before, after = jaxmp.loss_scaling_metrics(opt_state), jaxmp.loss_scaling_metrics(new)
   assert int(after["skipped_steps"]) == int(before["skipped_steps"]) == 2
   assert int(after["overflows_at_min"]) == 0  # a no-op scale has no floor
 
 
-def test_switch_to_a_float16_policy_keeps_the_dynamic_scale():
-  _, _, state = _overflowing_opt_state()
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_switch_to_a_float16_policy_keeps_the_dynamic_scale(framework):
+  target, model = _overflowed(framework)
+  opt_state = _opt_state(target)
   switched = jaxmp.switch_precision(
-      state, jaxmp.get_policy("mixed_float16").with_output_dtype(jnp.float16))
-  assert switched is state  # nothing to change: the dynamic scale stays
+      target, jaxmp.get_policy("mixed_float16").with_output_dtype(jnp.float16),
+      model=model)
+  assert _opt_state(switched) is opt_state  # nothing to change: the scale stays
 
 
-def test_an_optimizer_built_afresh_after_a_switch_has_the_switched_structure():
-  model = nn.Dense(3)
-  params = model.init(jax.random.key(0), X)["params"]
-  state = jaxmp.flax.TrainState.create(apply_fn=model.apply, params=params,
-                                       tx=optax.adam(0.1), policy="mixed_float16")
-  switched = jaxmp.switch_precision(state, "float32")
-  fresh = switched.tx.init(switched.params)
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_second_switch_to_the_same_policy_changes_nothing(framework):
+  once, model = _overflowed(framework)
+  once = jaxmp.switch_precision(once, "float32", model=model)
+  kept = [_opt_state(once), getattr(once, "tx", None), getattr(once, "apply_fn", None)]
+  again = jaxmp.switch_precision(once, "float32", model=model)
+  assert _opt_state(again) is kept[0] and getattr(again, "tx", None) is kept[1]
+  assert getattr(again, "apply_fn", None) == kept[2]
+
+
+@pytest.mark.parametrize("framework", ["train_state", "nnx"])  # they hold the tx
+def test_an_optimizer_built_afresh_after_a_switch_has_the_switched_structure(framework):
+  target, model = _overflowed(framework)
+  switched = jaxmp.switch_precision(target, "float32", model=model)
+  fresh = (switched.tx.init(switched.params) if model is None
+           else nnx.Optimizer(model, switched.tx, wrt=nnx.Param).opt_state)
   assert (jax.tree_util.tree_structure(fresh)
           == jax.tree_util.tree_structure(switched.opt_state))
   assert jaxmp.get_loss_scale(fresh) == jaxmp.NoOpLossScale()
+
+
+def test_switching_an_nnx_optimizer_needs_no_import_of_jaxmp_flax():
+  # No registry that an import fills: `import jaxmp` alone switches NNX.
+  code = """if True:
+    import sys
+    import jax.numpy as jnp, optax
+    from flax import nnx
+    import jaxmp
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0), dtype=jnp.float16)
+    optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(
+        optax.sgd(0.1), jaxmp.DynamicLossScale()), wrt=nnx.Param)
+    assert jaxmp.switch_precision(optimizer, "float32", model=model) is optimizer
+    assert model.dtype == jnp.float32
+    assert jaxmp.get_loss_scale(optimizer.opt_state) == jaxmp.NoOpLossScale()
+    assert "jaxmp.flax" not in sys.modules
+  """
+  subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
+                 cwd=pathlib.Path(__file__).resolve().parent.parent)
 
 
 # -- The controller -------------------------------------------------------------
@@ -267,23 +347,6 @@ def _run_with_a_spike(state, fallback, steps=8, spike=4):
   return state, traces, kept
 
 
-def test_train_state_switch_compiles_once_and_keeps_params_and_moments():
-  fallback = jaxmp.PrecisionFallback(LADDER, every=1)
-  state, traces, kept = _run_with_a_spike(_train_state(), fallback)
-  assert len(traces) == 2  # the float16 step and the float32 step, once each
-  before, after = kept["before"], kept["after"]
-  _same_arrays(after.params, before.params)
-  _same_arrays(after.opt_state.inner_state, before.opt_state.inner_state)
-  assert int(after.step) == int(before.step) == 3
-  assert after.policy == jaxmp.get_policy("float32")
-  assert after.loss_scale == jaxmp.NoOpLossScale()
-  assert [e.step for e in fallback.events] == [3]
-  # The fourth large batch, which float16 could not represent, trains in
-  # float32: three steps were skipped, not four.
-  metrics = state.metrics
-  assert int(metrics["skipped_steps"]) == 3 and bool(metrics["last_finite"])
-
-
 def test_train_state_switch_rewraps_apply_fn_with_the_new_policy():
   state = jaxmp.switch_precision(_train_state(), "float32")
 
@@ -294,51 +357,6 @@ def test_train_state_switch_rewraps_apply_fn_with_the_new_policy():
 
   assert dot_dtypes(_train_state()) == [("float16", "float16")]
   assert dot_dtypes(state) == [("float32", "float32")]
-
-
-def test_train_state_second_switch_to_the_same_policy_changes_nothing():
-  state = jaxmp.switch_precision(_train_state(), "float32")
-  again = jaxmp.switch_precision(state, "float32")
-  assert again.tx is state.tx and again.opt_state is state.opt_state
-  assert again.apply_fn == state.apply_fn
-
-
-# -- A plain optax loop ---------------------------------------------------------
-
-
-def test_plain_optax_loop_with_the_policy_as_a_static_argument():
-  model = Spike()
-  params = model.init(jax.random.key(0), X)["params"]
-  tx = jaxmp.loss_scaling(optax.adam(1e-2),
-                          jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0))
-  opt_state = tx.init(params)
-  traces = []
-
-  @functools.partial(jax.jit, static_argnames="policy")
-  def step(params, opt_state, x, y, policy):
-    traces.append(policy)
-
-    def loss_fn(params):
-      out = model.apply({"params": policy.cast_to_compute(params)},
-                        policy.cast_to_compute(x))
-      return jnp.mean((policy.cast_to_output(out) - y) ** 2)
-
-    _, grads = jaxmp.scaled_value_and_grad(
-        loss_fn, jaxmp.get_loss_scale(opt_state))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  fallback = jaxmp.PrecisionFallback(LADDER, every=1)
-  policy = fallback.policy
-  for i in range(1, 9):
-    params, opt_state = step(params, opt_state, X * (1e5 if i <= 4 else 1.0), Y,
-                             policy)
-    before = opt_state
-    opt_state, policy = fallback.update(opt_state, step=i)
-    if opt_state is not before:
-      _same_arrays(opt_state.inner_state, before.inner_state)
-  assert [str(p) for p in traces] == ["p=f32,c=f16,o=f32", "p=f32,c=f32,o=f32"]
-  assert int(jaxmp.loss_scaling_metrics(opt_state)["skipped_steps"]) == 3
 
 
 # -- NNX ------------------------------------------------------------------------
@@ -375,23 +393,82 @@ def _nnx_run(head_scale=1.0, loss_scale=None):
   return model, optimizer, step, traces
 
 
-def test_nnx_optimizer_and_model_switch_in_place():
+# -- A run that switches -------------------------------------------------------
+
+
+def _optax_run():
+  model = Spike()
+  params = model.init(jax.random.key(0), X)["params"]
+  tx = jaxmp.loss_scaling(optax.adam(1e-2),
+                          jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0))
+  traces = []
+
+  @functools.partial(jax.jit, static_argnames="policy")
+  def step(target, x, policy):
+    traces.append(policy)
+    params, opt_state = target
+
+    def loss_fn(params):
+      out = model.apply({"params": policy.cast_to_compute(params)},
+                        policy.cast_to_compute(x))
+      return jnp.mean((policy.cast_to_output(out) - Y) ** 2)
+
+    _, grads = jaxmp.scaled_value_and_grad(
+        loss_fn, jaxmp.get_loss_scale(opt_state))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return (params, tx.init(params)), None, step, traces
+
+
+def _run(framework):
+  """``(target, model, step, traces)`` of a run that starts in mixed_float16.
+
+  ``step(target, x, policy)`` returns the target after one update.
+  """
+  if framework == "optax":
+    return _optax_run()
+  if framework == "train_state":
+    step, traces = _counted_step()
+    return _train_state(), None, lambda state, x, _: step(state, x, Y)[0], traces
   model, optimizer, step, traces = _nnx_run()
+
+  def nnx_step(optimizer, x, _):
+    step(model, optimizer, x)  # in place
+    return optimizer
+
+  return optimizer, model, nnx_step, traces
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_run_switches_once_compiles_once_more_and_keeps_params_and_moments(
+    framework):
+  target, model, step, traces = _run(framework)
   fallback = jaxmp.PrecisionFallback(LADDER, every=1)
-  for i in range(8):
-    step(model, optimizer, X * (1e5 if i < 4 else 1.0))
-    before_params = jax.tree_util.tree_map(jnp.copy, nnx.state(model, nnx.Param))
-    before_inner = optimizer.opt_state.inner_state
-    assert fallback.update(optimizer, model=model) is optimizer
-    if fallback.events and fallback.events[-1].step == i + 1:
-      _same_arrays(nnx.state(model, nnx.Param), before_params)
-      _same_arrays(optimizer.opt_state.inner_state, before_inner)
-  assert len(traces) == 2
+  policy = fallback.policy
+  for i in range(1, 9):
+    target = step(target, X * (1e5 if i <= 4 else 1.0), policy)
+    kept = _kept(target, model)
+    if framework == "optax":  # the policy goes to the step, a static argument
+      target, policy = fallback.update(target, step=i)
+    else:  # the target holds the policy (the model its dtypes) and the step
+      target = fallback.update(target, model=model)
+    if fallback.events and fallback.events[-1].step == i:
+      _same_arrays(_kept(target, model), kept)
+  assert len(traces) == 2  # the float16 step and the float32 step, once each
   assert [e.step for e in fallback.events] == [3]
-  assert model.head.dtype == model.body.dtype == jnp.float32
-  assert jaxmp.get_loss_scale(optimizer.opt_state) == jaxmp.NoOpLossScale()
-  metrics = jaxmp.loss_scaling_metrics(optimizer.opt_state)
+  assert jaxmp.get_loss_scale(_opt_state(target)) == jaxmp.NoOpLossScale()
+  # The fourth large batch, which float16 could not represent, trains in
+  # float32: three steps were skipped, not four.
+  metrics = jaxmp.loss_scaling_metrics(_opt_state(target))
   assert int(metrics["skipped_steps"]) == 3 and bool(metrics["last_finite"])
+  float32 = jaxmp.get_policy("float32")
+  if framework == "optax":
+    assert traces == [jaxmp.get_policy("mixed_float16"), float32]
+  elif framework == "train_state":
+    assert target.policy == float32
+  else:
+    assert model.head.dtype == model.body.dtype == jnp.float32
 
 
 # -- Checkpoints ----------------------------------------------------------------

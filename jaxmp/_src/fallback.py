@@ -12,30 +12,31 @@ policy of a ladder such as ``("mixed_float16", "float32")`` with
 everything else: the params and the inner optimizer state are the same
 arrays, the counters are kept, and the loss scale becomes
 :class:`jaxmp.NoOpLossScale` when the new policy needs no loss scaling (it is
-kept as it is when it does). It knows plain optax states; the Flax targets (a
-:class:`jaxmp.flax.TrainState`, an ``nnx.Optimizer``) are registered by
-:mod:`jaxmp.flax` with :func:`register_target_kind`.
+kept as it is when it does). It switches any pytree holding a
+:func:`jaxmp.loss_scaling` state; a :class:`jaxmp.flax.TrainState` and an
+``nnx.Optimizer``, which also hold the policy (or a model whose dtypes are the
+policy's), are switched by ``_src/flax/switch.py``, which it imports when the
+target is a Flax object.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from jaxmp._src.checks import check_loss_scale
 from jaxmp._src.default_loss_scale import as_policy
 from jaxmp._src.hardware import HardwareReport, hardware_report
 from jaxmp._src.loss_scale import LossScale, NoOpLossScale
 from jaxmp._src.loss_scaling import (
-    LossScalingState,
     get_loss_scale,
     loss_scaling_metrics,
+    with_loss_scale,
 )
 from jaxmp._src.monitor import LossScaleMonitor
 from jaxmp._src.policy import PolicyLike
@@ -70,126 +71,41 @@ class PrecisionSwitch(NamedTuple):
   new_policy: str
 
 
-# The kinds of training state switch_precision knows.
+# The switch.
 
 
-class TargetKind(NamedTuple):
-  """How :func:`switch_precision` handles one kind of training state.
+def _flax_switch(target: Any) -> Any:
+  """How a Flax training state switches (a TrainState, an nnx.Optimizer), or None.
 
-  Attributes:
-    name: the kind's name, for messages (``"TrainState"``).
-    is_kind: whether an object is of this kind.
-    switch: ``switch(target, policy, loss_scale, model)`` returns the target
-      under ``policy``; ``loss_scale`` is the new loss scale, or ``None`` to
-      keep the current one.
-    opt_state_of: the optimizer state held by a target.
-    step_of: the step of a target (``None`` when it holds none).
+  Flax is imported here only when ``target`` is a Flax object, so Flax is
+  installed: ``import jaxmp`` never imports it, and no import registers
+  anything.
   """
+  if not any(cls.__module__.split(".")[0] == "flax" for cls in type(target).__mro__):
+    return None
+  from jaxmp._src.flax.switch import switch_of  # pylint: disable=g-import-not-at-top
 
-  name: str
-  is_kind: Callable[[Any], bool]
-  switch: Callable[[Any, PolicyLike, LossScale | None, Any], Any]
-  opt_state_of: Callable[[Any], Any]
-  step_of: Callable[[Any], Any]
-
-
-_TARGET_KINDS: list[TargetKind] = []
+  return switch_of(target)
 
 
-def register_target_kind(kind: TargetKind) -> None:
-  """Teaches :func:`switch_precision` a kind of training state.
-
-  :mod:`jaxmp.flax` registers :class:`jaxmp.flax.TrainState` and
-  ``nnx.Optimizer`` this way, so that this module does not import Flax.
-  Registering a kind of the same name again replaces it.
-  """
-  _TARGET_KINDS[:] = [k for k in _TARGET_KINDS if k.name != kind.name]
-  _TARGET_KINDS.insert(0, kind)
-
-
-def with_loss_scale(opt_state: Any, loss_scale: LossScale) -> Any:
-  """``opt_state`` with the loss scale of its loss-scaling state replaced.
-
-  Every other leaf is the same object: the inner state (moments, counts,
-  schedules) and the counters (``skipped_steps``) are kept bit-identical.
-  """
-  is_state = lambda x: isinstance(x, LossScalingState)
-  return jax.tree_util.tree_map(
-      lambda x: x._replace(loss_scale=loss_scale) if is_state(x) else x,
-      opt_state, is_leaf=is_state)
-
-
-def with_initial_loss_scale(
-    tx: optax.GradientTransformation, loss_scale: LossScale
-) -> optax.GradientTransformationExtraArgs:
-  """``tx`` (built on :func:`jaxmp.loss_scaling`) starting from ``loss_scale``.
-
-  ``update`` is ``tx``'s own: the wrapper reads the loss scale from the state
-  it is given. ``init`` returns the state ``tx.init`` returns with
-  ``loss_scale`` in it, so that a state built afresh from the switched
-  optimizer has the structure of the switched state.
-  """
-  device_scale = jax.tree_util.tree_map(jnp.asarray, loss_scale)
-  return optax.GradientTransformationExtraArgs(
-      lambda params: with_loss_scale(tx.init(params), device_scale),
-      optax.with_extra_args_support(tx).update,
-  )
-
-
-def _switch_opt_state(opt_state, policy, loss_scale, model):
-  del policy  # a plain optax state does not carry a policy
-  if model is not None:
-    raise TypeError(
-        "switch_precision: model= is for an nnx.Optimizer, whose model holds "
-        "the dtypes; a plain optax state takes no model."
-    )
-  return opt_state if loss_scale is None else with_loss_scale(opt_state, loss_scale)
-
-
-_OPTAX_STATE = TargetKind(
-    name="optax state",
-    is_kind=lambda x: True,
-    switch=_switch_opt_state,
-    opt_state_of=lambda x: x,
-    step_of=lambda x: None,
-)
-
-
-def target_kind(target: Any, caller: str) -> TargetKind:
-  """The registered kind of ``target``; a plain optax state by default.
-
-  Raises:
-    TypeError: for a Flax object when :mod:`jaxmp.flax` is not imported.
-  """
-  for kind in _TARGET_KINDS:
-    if kind.is_kind(target):
-      return kind
-  if type(target).__module__.split(".")[0] == "flax":
-    raise TypeError(
-        f"{caller}: {type(target).__name__} is a Flax object; import jaxmp.flax "
-        "(which teaches jaxmp its TrainState and nnx.Optimizer) first."
-    )
-  return _OPTAX_STATE
-
-
-def _current_loss_scale(opt_state: Any, caller: str) -> LossScale:
+def _current_loss_scale(target: Any) -> LossScale:
   try:
     # Abstractly, so that the target may be jax.eval_shape of a state.
-    return jax.eval_shape(get_loss_scale, opt_state)
+    return jax.eval_shape(get_loss_scale, target)
   except ValueError as e:
     raise ValueError(
-        f"{caller} needs a training state built on jaxmp.loss_scaling (a "
+        "switch_precision needs a training state built on jaxmp.loss_scaling (a "
         "jaxmp.flax.TrainState, an optimizer state or an nnx.Optimizer): "
         f"{e}"
     ) from None
 
 
-def _next_loss_scale(current: LossScale, policy: PolicyLike, caller: str):
+def _next_loss_scale(current: LossScale, policy: PolicyLike):
   """The loss scale to switch to, or ``None`` to keep ``current``."""
   if policy.needs_loss_scaling:
     if isinstance(current, NoOpLossScale):
       raise ValueError(
-          f"{caller}: the new policy {policy} needs loss scaling, but the "
+          f"switch_precision: the new policy {policy} needs loss scaling, but the "
           "training state has no loss scale (jaxmp.NoOpLossScale). A switch "
           "goes towards wider dtypes and keeps the loss scale it finds; to "
           "train in float16 from a float32 or bfloat16 state, build a new state "
@@ -214,8 +130,11 @@ def switch_precision(target: Any, policy: Any, *, model: Any = None) -> Any:
   switched state (or, for a plain optax loop, the policy as a static
   argument) compiles once more, and then never again.
 
-  * A :class:`jaxmp.flax.TrainState` (with :mod:`jaxmp.flax` imported): a new
-    state with the new ``policy`` (a static field), ``apply_fn`` wrapped by the
+  * Any pytree holding a :func:`jaxmp.loss_scaling` state (an optimizer
+    state, ``(params, opt_state)``): the same pytree with the loss scale
+    replaced. The optimizer itself needs no change (its ``update`` reads the
+    loss scale from the state); pass ``policy`` to the step.
+  * A :class:`jaxmp.flax.TrainState`: a new state with the new ``policy`` (a static field), ``apply_fn`` wrapped by the
     new policy and ``tx`` starting from the new loss scale.
   * An ``nnx.Optimizer`` (give ``model=``): switched in place, and returned.
     Its ``opt_state`` and ``tx`` are replaced, and each module of ``model``
@@ -226,12 +145,11 @@ def switch_precision(target: Any, policy: Any, *, model: Any = None) -> Any:
     policy runs without FP8 leave it, with a warning. An NNX layer loses its
     FP8 op and the :class:`jaxmp.flax.Fp8Meta` in it; a ``TrainState``
     switched to a policy without FP8 matmuls gets ``fp8_meta=None``.
-  * Any other optax state holding a :func:`jaxmp.loss_scaling` state: the new
-    optimizer state. The optimizer itself needs no change (its ``update``
-    reads the loss scale from the state); pass ``policy`` to the step.
 
   Args:
-    target: the training state.
+    target: the training state: any pytree holding a
+      :func:`jaxmp.loss_scaling` state, a :class:`jaxmp.flax.TrainState` or
+      an ``nnx.Optimizer``.
     policy: anything :func:`jaxmp.get_policy` takes, a
       :class:`jaxmp.PathPolicy` or a :class:`jaxmp.flax.ModulePolicy`.
     model: the NNX model, when ``target`` is an ``nnx.Optimizer``.
@@ -258,13 +176,18 @@ def switch_precision(target: Any, policy: Any, *, model: Any = None) -> Any:
     >>> switched.inner_state is opt_state.inner_state  # the same arrays
     True
   """
-  caller = "switch_precision"
   policy = as_policy(policy)
   policy.io_policy  # pylint: disable=pointless-statement  # raises without a default
-  kind = target_kind(target, caller)
-  current = _current_loss_scale(kind.opt_state_of(target), caller)
-  loss_scale = _next_loss_scale(current, policy, caller)
-  return kind.switch(target, policy, loss_scale, model)
+  loss_scale = _next_loss_scale(_current_loss_scale(target), policy)
+  switch = _flax_switch(target)
+  if switch is not None:
+    return switch(target, policy, loss_scale, model)
+  if model is not None:
+    raise TypeError(
+        "switch_precision: model= is for an nnx.Optimizer, whose model holds "
+        f"the dtypes; a {type(target).__name__} takes no model."
+    )
+  return target if loss_scale is None else with_loss_scale(target, loss_scale)
 
 
 # The controller.
@@ -480,13 +403,14 @@ class PrecisionFallback:
       return self.ladder[self.rung + 1]
     return None
 
-  def _step(self, kind: TargetKind, target: Any, step: Any, caller: str) -> int:
+  @staticmethod
+  def _step(target: Any, step: Any, caller: str) -> int:
     if step is None:
-      step = kind.step_of(target)
+      step = getattr(target, "step", None)  # a TrainState's, an nnx.Optimizer's
       if step is None:
         raise TypeError(
             f"PrecisionFallback.{caller}: pass step= (the number of updates "
-            "done so far) with a plain optax state; "
+            "done so far) with a plain optax state or a metrics dict; "
             "a jaxmp.flax.TrainState or an nnx.Optimizer carries its own."
         )
     return check_number(f"PrecisionFallback.{caller}", "step",
@@ -499,8 +423,9 @@ class PrecisionFallback:
     scalars, one transfer); returns ``None`` on the other steps.
 
     Args:
-      target: a :class:`jaxmp.flax.TrainState`, an optax state, an
-        ``nnx.Optimizer``, or the dict of :func:`jaxmp.loss_scaling_metrics`.
+      target: any pytree holding a :func:`jaxmp.loss_scaling` state (an
+        optimizer state, a :class:`jaxmp.flax.TrainState`, an
+        ``nnx.Optimizer``), or the dict of :func:`jaxmp.loss_scaling_metrics`.
       step: the number of updates done so far; read from a TrainState or an
         ``nnx.Optimizer`` when not given (one scalar more to read: pass it to
         save that).
@@ -513,22 +438,19 @@ class PrecisionFallback:
       LossScaleAtMinimumError: with ``on_failure="raise"``, or on the last
         rung, when the overflows at the minimum scale exceed the limit.
     """
-    metrics_dict = isinstance(target, dict)
-    kind = None if metrics_dict else target_kind(target, "PrecisionFallback.check")
-    step = self._step(kind, target, step, "check") if kind else self._step_of_dict(step)
+    step = self._step(target, step, "check")
     if step % self.every:
       return None
-    source = target if metrics_dict else kind.opt_state_of(target)
     if self.monitor.records and self.monitor.records[-1].step == step:
       record = self.monitor.records[-1]
     else:
-      record = self.monitor.record(step, source)
+      record = self.monitor.record(step, target)
     if self._window_start is None:
       self._window_start = step
     overflows = record.overflows_at_min - self._overflows_at_min_base
     if overflows > self.max_overflows_at_min:
       if self.on_failure == "raise" or self.next_policy is None:
-        check_loss_scale(source, max_overflows_at_min=self._overflows_at_min_base
+        check_loss_scale(target, max_overflows_at_min=self._overflows_at_min_base
                          + self.max_overflows_at_min)
       return (f"{overflows} overflow(s) at the minimum loss scale "
               f"{record.loss_scale:g}")
@@ -552,16 +474,6 @@ class PrecisionFallback:
       return None
     return reason
 
-  @staticmethod
-  def _step_of_dict(step: Any) -> int:
-    if step is None:
-      raise TypeError(
-          "PrecisionFallback.check: pass step= (the number of updates done so "
-          "far) with a metrics dict."
-      )
-    return check_number("PrecisionFallback.check", "step",
-                        np.asarray(jax.device_get(step)), integer=True, minimum=0)
-
   def update(self, target: Any, *, step: Any = None, model: Any = None) -> Any:
     """Checks the run and switches it to the next rung if its policy failed.
 
@@ -569,16 +481,18 @@ class PrecisionFallback:
     ``every`` steps), outside ``jit``.
 
     Args:
-      target: a :class:`jaxmp.flax.TrainState`, an ``nnx.Optimizer`` (with
-        ``model=``) or an optax state.
-      step: the number of updates done so far; required for an optax state,
-        read from a TrainState or an ``nnx.Optimizer`` when not given.
+      target: any pytree holding a :func:`jaxmp.loss_scaling` state (an
+        optimizer state, ``(params, opt_state)``), a
+        :class:`jaxmp.flax.TrainState` or an ``nnx.Optimizer`` (with
+        ``model=``).
+      step: the number of updates done so far; read from ``target.step``
+        (a TrainState's, an ``nnx.Optimizer``'s) when not given.
       model: the NNX model, with an ``nnx.Optimizer``.
 
     Returns:
       For a TrainState, the (possibly switched) state; for an
       ``nnx.Optimizer``, the optimizer (switched in place, with the model);
-      for an optax state, ``(opt_state, policy)``: pass ``policy`` to the
+      for any other pytree, ``(target, policy)``: pass ``policy`` to the
       step as a static argument.
 
     Raises:
@@ -615,7 +529,7 @@ class PrecisionFallback:
                                        model=model))
 
   def _returned(self, target: Any) -> Any:
-    if target_kind(target, "PrecisionFallback") is _OPTAX_STATE:
+    if _flax_switch(target) is None:  # it holds no policy: the step takes it
       return target, self.policy
     return target
 
@@ -625,8 +539,7 @@ class PrecisionFallback:
           "PrecisionFallback.switch: reason must be a non-empty string saying "
           f"why the run switches (it is logged and recorded); got {reason!r}."
       )
-    kind = target_kind(target, "PrecisionFallback.switch")
-    step = self._step(kind, target, step, "switch")
+    step = self._step(target, step, "switch")
     policy = as_policy(policy)
     switched = switch_precision(target, policy, model=model)
     old = self.policy
@@ -639,7 +552,7 @@ class PrecisionFallback:
     _logger.warning("jaxmp: step %d: switching from %s to %s: %s.",
                     step, event.old_policy, event.new_policy, reason)
     # The new policy is measured from here.
-    metrics = jax.device_get(loss_scaling_metrics(kind.opt_state_of(switched)))
+    metrics = jax.device_get(loss_scaling_metrics(switched))
     self._overflows_at_min_base = int(np.asarray(metrics["overflows_at_min"]))
     self._window_start = step
     self._rate_logged = False

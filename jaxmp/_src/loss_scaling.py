@@ -642,3 +642,38 @@ def metrics_of(state: LossScalingState) -> dict[str, jax.Array]:
   metrics["fallback_steps"] = jnp.asarray(state.fallback_steps)
   metrics["lost_steps"] = jnp.asarray(state.lost_steps)
   return metrics
+
+
+# Replacing the loss scale.
+
+
+def with_loss_scale(tree: Any, loss_scale: LossScale) -> Any:
+  """``tree`` with the loss scale of its loss-scaling state replaced.
+
+  ``tree`` is any pytree holding a :class:`LossScalingState`: an optimizer
+  state, ``(params, opt_state)``, a ``TrainState``, an ``nnx.Optimizer``'s
+  ``opt_state``. Every other leaf is the same object: the inner state
+  (moments, counts, schedules) and the counters (``skipped_steps``) are kept
+  bit-identical.
+  """
+  is_state = lambda x: isinstance(x, LossScalingState)
+  return jax.tree_util.tree_map(
+      lambda x: x._replace(loss_scale=loss_scale) if is_state(x) else x,
+      tree, is_leaf=is_state)
+
+
+def with_initial_loss_scale(
+    tx: optax.GradientTransformation, loss_scale: LossScale
+) -> optax.GradientTransformationExtraArgs:
+  """``tx`` (built on :func:`loss_scaling`) starting from ``loss_scale``.
+
+  ``update`` is ``tx``'s own: the wrapper reads the loss scale from the state
+  it is given. ``init`` returns the state ``tx.init`` returns with
+  ``loss_scale`` in it, so that a state built afresh from the switched
+  optimizer has the structure of the switched state.
+  """
+  device_scale = _to_device_state(loss_scale)
+  return optax.GradientTransformationExtraArgs(
+      lambda params: with_loss_scale(tx.init(params), device_scale),
+      optax.with_extra_args_support(tx).update,
+  )

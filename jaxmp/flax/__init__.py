@@ -15,9 +15,6 @@
 * :func:`find_overflowing_modules` finds the modules whose outputs overflow;
   its :class:`OverflowReport` proposes a :class:`ModulePolicy` that keeps just
   those in float32.
-
-Importing this package also teaches :func:`jaxmp.switch_precision` and
-:class:`jaxmp.PrecisionFallback` the ``TrainState`` and ``nnx.Optimizer``.
 """
 
 from jaxmp._src.flax.checkpoint import (
@@ -25,7 +22,6 @@ from jaxmp._src.flax.checkpoint import (
     restore_checkpoint,
     save_checkpoint,
 )
-from jaxmp._src.flax import fallback as _fallback  # noqa: F401  (registers the Flax targets)
 from jaxmp._src.flax.fp8_nnx import Fp8Meta
 from jaxmp._src.flax.module_policy import ModulePolicy
 from jaxmp._src.flax.nnx import nnx_keep_on_skip, nnx_scaled_value_and_grad

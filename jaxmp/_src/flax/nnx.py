@@ -19,7 +19,6 @@ from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.loss_scaling import _find_state
 from jaxmp._src.policy import Policy, get_policy
 from jaxmp._src.precision_audit import warn_on_first_trace
-from jaxmp._src.validation import jmp_loss_scale_fix
 from jaxmp._src.value_and_grad import scale_then_differentiate
 
 
