@@ -9,8 +9,6 @@ checkpoints use, and the check that refuses wrapping twice
 
 from __future__ import annotations
 
-import os
-import sys
 import warnings
 from typing import Any, NamedTuple
 
@@ -20,7 +18,8 @@ import optax
 
 from jaxmp._src.inplace_select import check_same_structure, update_or_keep
 from jaxmp._src.loss_scale import LossScale, NoOpLossScale, agree_across, all_finite
-from jaxmp._src.validation import check_bool, check_number, jmp_loss_scale_fix
+from jaxmp._src.validation import (
+    caller_stacklevel, check_bool, check_number, jmp_loss_scale_fix)
 
 AxisName = Any  # a hashable axis name or a tuple of them
 KeyPath = tuple[Any, ...]
@@ -484,19 +483,9 @@ def _find_state(opt_state: Any, caller: str) -> LossScalingState:
         "optax.inject_hyperparams, nnx.Optimizer and jaxmp.flax.TrainState "
         "around the wrapper are fine.)",
         UserWarning,
-        stacklevel=_stacklevel_outside_jaxmp(),
+        stacklevel=caller_stacklevel(),
     )
   return state
-
-
-def _stacklevel_outside_jaxmp() -> int:
-  """The ``stacklevel`` that makes a warning point at the caller of jaxmp."""
-  package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  frame, level = sys._getframe(1), 1  # pylint: disable=protected-access
-  while frame is not None and os.path.abspath(
-      frame.f_code.co_filename).startswith(package + os.sep):
-    frame, level = frame.f_back, level + 1
-  return level
 
 
 # Where the wrapper may sit: optax wrappers that pass every gradient to the

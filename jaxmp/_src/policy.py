@@ -12,7 +12,6 @@ import contextvars
 import dataclasses
 import difflib
 import functools
-import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, TypeVar, runtime_checkable
@@ -22,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src.hardware import recommended_preset
-from jaxmp._src.validation import check_number
+from jaxmp._src.validation import caller_stacklevel, check_number
 
 T = TypeVar("T")
 
@@ -219,19 +218,6 @@ def cast_floating(tree: T, dtype: Any) -> T:
 _WARNED_PARAM_DTYPE: set[tuple[Any, Any, Any]] = set()
 
 
-# Frames of these packages are skipped when a warning looks for the user's line.
-_LIBRARY_PREFIXES = ("jaxmp.", "jax.", "flax.", "optax.")
-
-
-def _caller_stacklevel() -> int:
-  """The ``stacklevel`` of the first frame outside jaxmp, JAX, Flax and optax."""
-  frame, level = sys._getframe(1), 1  # pylint: disable=protected-access
-  while frame is not None and (
-      frame.f_globals.get("__name__", "") + ".").startswith(_LIBRARY_PREFIXES):
-    frame, level = frame.f_back, level + 1
-  return level
-
-
 def _warn_narrow_params(policy: "Policy") -> None:
   """Warns, once per policy and process, that its params are 16-bit or less."""
   dtype = np.dtype(policy.param_dtype)
@@ -251,7 +237,7 @@ def _warn_narrow_params(policy: "Policy") -> None:
       f"{suggestion!r}. If 16-bit params are what you want, silence this "
       "with warnings.filterwarnings('ignore', message='jaxmp: the policy').",
       UserWarning,
-      stacklevel=_caller_stacklevel(),
+      stacklevel=caller_stacklevel(),
   )
 
 

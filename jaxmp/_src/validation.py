@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -245,3 +246,20 @@ def listing(items: Iterable[str], separator: str = ", ", shown: int = 6) -> str:
   items = list(items)
   text = separator.join(items[:shown])
   return text + (f" and {len(items) - shown} more" if len(items) > shown else "")
+
+
+# Frames of these packages are skipped when a warning looks for the user's line.
+_LIBRARY_PREFIXES = ("jaxmp.", "jax.", "flax.", "optax.")
+
+
+def caller_stacklevel() -> int:
+  """The ``stacklevel`` of the first frame outside jaxmp, JAX, Flax and optax.
+
+  The one stack walk of jaxmp: a warning raised with it points at the user's
+  line, however deep inside the libraries it was raised.
+  """
+  frame, level = sys._getframe(1), 1  # pylint: disable=protected-access
+  while frame is not None and (
+      frame.f_globals.get("__name__", "") + ".").startswith(_LIBRARY_PREFIXES):
+    frame, level = frame.f_back, level + 1
+  return level
