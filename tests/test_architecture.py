@@ -11,6 +11,7 @@ PACKAGE = ROOT / "jaxmp"
 # Tests of private mechanics, which may import jaxmp._src.
 PRIVATE_MECHANICS_TESTS = {
     "test_inplace_select.py",
+    "test_jaxpr.py",
     "test_path_policy.py",
     "test_deepspeed.py",
     "test_codegen.py",
@@ -81,6 +82,19 @@ def test_only_flax_modules_import_flax():
         assert not node.module.startswith(("flax", "orbax")), path
       elif isinstance(node, ast.Import):
         assert not any(a.name.startswith(("flax", "orbax")) for a in node.names), path
+
+
+def test_only_the_jaxpr_module_touches_jax_internals():
+  internal = ("jax.extend", "jax._src", "jax.interpreters")
+  for path in PACKAGE.rglob("*.py"):
+    if path == PACKAGE / "_src" / "jaxpr.py":
+      continue
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+      if isinstance(node, ast.ImportFrom) and node.module:
+        assert not node.module.startswith(internal), path
+      elif isinstance(node, ast.Import):
+        assert not any(a.name.startswith(internal) for a in node.names), path
 
 
 def test_only_the_public_packages_declare_all():

@@ -27,9 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend import core as jax_core
-from jax.extend import source_info_util
 
+from jaxmp._src import jaxpr as jaxprs
 from jaxmp._src.autocast_rules import autocast_rules
 from jaxmp._src.policy import Policy, get_policy
 from jaxmp._src.rules import check_pattern, rule_table
@@ -275,12 +274,12 @@ class _Evaluator:
     flexible: dict[Any, bool] = {}
 
     def read(atom):
-      if isinstance(atom, jax_core.Literal):
+      if jaxprs.is_literal(atom):
         return self.constant(atom.val), True
       return env[atom], flexible[atom]
 
     def write(var, value, is_flexible):
-      if isinstance(var, jax_core.DropVar):
+      if jaxprs.is_dropped(var):
         return
       env[var] = value
       flexible[var] = is_flexible
@@ -293,12 +292,7 @@ class _Evaluator:
     for eqn in jaxpr.eqns:
       values, flags = zip(*map(read, eqn.invars)) if eqn.invars else ((), ())
       scopes = prefix + _scope_names(eqn.source_info.name_stack)
-      name_stack = (
-          source_info_util.current_name_stack() + eqn.source_info.name_stack
-      )
-      with source_info_util.user_context(
-          eqn.source_info.traceback, name_stack=name_stack
-      ), eqn.ctx.manager:
+      with jaxprs.equation_context(eqn):
         outs, out_flags = self.eqn(eqn, list(values), list(flags), scopes, shifts)
       for var, value, f in zip(eqn.outvars, outs, out_flags):
         write(var, value, f)
@@ -327,7 +321,7 @@ class _Evaluator:
     }
 
     def producer(atom):
-      eqn = None if isinstance(atom, jax_core.Literal) else producers.get(atom)
+      eqn = None if jaxprs.is_literal(atom) else producers.get(atom)
       if eqn is not None and eqn.primitive.name == "convert_element_type":
         return producer(eqn.invars[0])
       return eqn
@@ -350,7 +344,7 @@ class _Evaluator:
       return handler(self, eqn, values, flags, scopes)
     kind = shifts.get(id(eqn)) or self.table.get(name)
     if kind is None:
-      has_program = any(True for _ in jax_core.jaxprs_in_params(eqn.params))
+      has_program = bool(jaxprs.inner_jaxprs(eqn.params))
       kind = "original" if has_program else "promote"
     if (name == "convert_element_type" and kind != "original"
         and id(values[0]) in self._widened
@@ -392,7 +386,7 @@ class _Evaluator:
           np.dtype(d).itemsize for d in traced)
       if dtypes and not asked:
         params["preferred_element_type"] = _widest(dtypes)
-    bind_params = eqn.primitive.get_bind_params(params)
+    bind_params = jaxprs.bind_params(eqn, params)
     out = eqn.primitive.bind(*values, **bind_params)
     outs = list(out) if eqn.primitive.multiple_results else [out]
     self._track(kind, originals, outs)
@@ -482,7 +476,7 @@ def _inline(evaluator, eqn, values, flags, scopes):
   in_shardings = eqn.params.get("in_shardings", ())
   out_shardings = eqn.params.get("out_shardings", ())
   values = _constrain(values, in_shardings)
-  if isinstance(closed, jax_core.ClosedJaxpr):
+  if jaxprs.is_closed(closed):
     outs, out_flags = evaluator.run_closed(closed, values, flags, scopes)
   else:
     outs, out_flags = evaluator.run(closed, [], values, [], flags, scopes)
@@ -912,7 +906,7 @@ def _autocast_function(fn, resolved, table, scopes, *, returns_state):
         if len(cache) > _CACHE_SIZE:
           cache.popitem(last=False)
     closed, out_tree, n_outputs = entry
-    prefix = _scope_names(source_info_util.current_name_stack())
+    prefix = _scope_names(jaxprs.current_name_stack())
     evaluator = _Evaluator(table, scopes)
     outs, _ = evaluator.run_closed(closed, dynamic, [True] * len(dynamic), prefix)
     outs = [

@@ -14,8 +14,7 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
-from jax.extend import core as jax_core
-from jax.extend.core import primitives as jax_primitives
+from jaxmp._src import jaxpr as jaxprs
 
 # What each rule kind does with the floating inputs of an operation. Integer
 # and boolean inputs are never cast.
@@ -122,12 +121,7 @@ DEFAULT_RULES: Mapping[str, str] = types.MappingProxyType(_table(
 
 
 def _known_primitive_names() -> frozenset[str]:
-  names = set(DEFAULT_RULES)
-  for attribute in dir(jax_primitives):
-    primitive = getattr(jax_primitives, attribute)
-    if isinstance(primitive, jax_core.Primitive):
-      names.add(primitive.name)
-  return frozenset(names)
+  return frozenset(DEFAULT_RULES) | jaxprs.primitive_names()
 
 
 def _kind_error(key: str, kind: Any) -> ValueError:
@@ -140,7 +134,7 @@ def _kind_error(key: str, kind: Any) -> ValueError:
 
 
 def _check_key(key: Any) -> str:
-  if isinstance(key, jax_core.Primitive):
+  if jaxprs.is_primitive(key):
     key = key.name  # a primitive object names any primitive, even a library's
   elif not isinstance(key, str):
     raise TypeError(

@@ -16,20 +16,18 @@ replaced by the caller. XLA then writes each moment once, in place, as in the
 unguarded step (+0.3% temp memory, +0.5% bytes accessed: the extra read of the
 gradients by ``all_finite``).
 
-The re-evaluation relies on a few JAX internals (the jaxpr's ``Var`` and
-``Literal`` atoms, ``Primitive.get_bind_params``, the equation's context
-manager, and the varying-manual-axes type of ``shard_map`` values, which a
-jaxpr traced inside ``shard_map`` keeps, so that the re-evaluation works
-there too, with sharded, varying optimizer states). Each is
-touched in exactly one helper below, and one compatibility test exercises
-them all. If a JAX release breaks them, set the environment variable
+The re-evaluation relies on a few JAX internals (the jaxpr's atoms, an
+equation's bind parameters and context, and the varying-manual-axes type of
+``shard_map`` values, which a jaxpr traced inside ``shard_map`` keeps, so
+that the re-evaluation works there too, with sharded, varying optimizer
+states), all of them in :mod:`jaxmp._src.jaxpr` and its canary test. If a JAX
+release breaks them, set the environment variable
 ``JAXMP_INPLACE_SELECT=0`` to use the plain select (same values, one more copy
 of the optimizer state per step).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,6 +35,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
+
+from jaxmp._src import jaxpr as jaxprs
 
 INPLACE_SELECT_ENV = "JAXMP_INPLACE_SELECT"
 
@@ -99,53 +99,9 @@ def check_same_structure(
       )
 
 
-# The JAX internals, one helper each. tests/test_inplace_select.py checks them
-# against the installed JAX.
-
-
-def _jax_core():
-  """``jax.extend.core``, imported only when the in-place select runs."""
-  from jax.extend import core  # pylint: disable=g-import-not-at-top
-
-  return core
-
-
-def _is_var(atom: Any) -> bool:
-  """Whether a jaxpr atom is a variable (not a literal constant)."""
-  return isinstance(atom, _jax_core().Var)
-
-
-def _read(env: dict[Any, Any], atom: Any) -> Any:
-  """The value of a jaxpr atom: a literal's constant, or a variable's value."""
-  if isinstance(atom, _jax_core().Literal):
-    return atom.val
-  return env[atom]
-
-
-def _bind_equation(eqn: Any, invals: list[Any]) -> list[Any]:
-  """Evaluates one jaxpr equation on ``invals``; returns its outputs.
-
-  Binds the primitive with the parameters it was traced with, inside the
-  equation's own context (name stack, compute type), as ``jax.core.eval_jaxpr``
-  does.
-  """
-  bind_params = eqn.primitive.get_bind_params(eqn.params)
-  manager = getattr(getattr(eqn, "ctx", None), "manager", None)
-  with manager if manager is not None else contextlib.nullcontext():
-    out = eqn.primitive.bind(*invals, **bind_params)
-  return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _manual_axes(aval: Any) -> frozenset:
-  """The ``shard_map`` axes an abstract value varies over (the name moved in JAX)."""
-  manual = getattr(aval, "manual_axis_type", None)
-  return frozenset(getattr(aval, "vma", None) or getattr(manual, "varying", None)
-                   or ())
-
-
 def _varies_over_manual_axes(tree: Any) -> bool:
   """Whether a leaf varies over a ``shard_map`` axis."""
-  return any(_manual_axes(jax.typeof(x)) for x in jax.tree_util.tree_leaves(tree))
+  return any(jaxprs.manual_axes(jax.typeof(x)) for x in jax.tree_util.tree_leaves(tree))
 
 
 def _keeps_manual_axes(jaxpr: Any, leaves: Sequence[Any]) -> bool:
@@ -154,8 +110,13 @@ def _keeps_manual_axes(jaxpr: Any, leaves: Sequence[Any]) -> bool:
   A JAX whose traced jaxprs dropped these types would re-evaluate the update
   with the wrong ones inside ``shard_map``.
   """
-  return all(_manual_axes(var.aval) == _manual_axes(jax.typeof(x))
+  return all(jaxprs.manual_axes(var.aval) == jaxprs.manual_axes(jax.typeof(x))
              for var, x in zip(jaxpr.invars, leaves))
+
+
+def _read(env: dict[Any, Any], atom: Any) -> Any:
+  """The value of a jaxpr atom: a literal's constant, or a variable's value."""
+  return atom.val if jaxprs.is_literal(atom) else env[atom]
 
 
 def _is_traced(tree: Any) -> bool:
@@ -267,20 +228,20 @@ def _evaluate_with_select(closed: Any, finite: jax.Array, inputs: Any,
   # The new state leaves produced by an equation, each at exactly one place.
   places: dict[Any, int] = {}
   for var in state_vars:
-    if _is_var(var):
+    if jaxprs.is_var(var):
       places[var] = places.get(var, 0) + 1
   jaxpr_inputs = set(jaxpr.invars) | set(jaxpr.constvars)
   # Inside shard_map, a flag that varies over axes a leaf does not (no
   # axis_name) would make the selected leaf vary too, and the equations after
   # it were traced for a leaf that does not: select such leaves at the output.
-  flag_axes = _manual_axes(jax.typeof(finite))
+  flag_axes = jaxprs.manual_axes(jax.typeof(finite))
   select_at = {
       var: old
       for var, old in zip(state_vars, old_leaves)
-      if _is_var(var) and places[var] == 1 and var not in jaxpr_inputs
+      if jaxprs.is_var(var) and places[var] == 1 and var not in jaxpr_inputs
       and tuple(var.aval.shape) == tuple(jnp.shape(old))
       and var.aval.dtype == getattr(old, "dtype", None)
-      and flag_axes <= _manual_axes(var.aval)
+      and flag_axes <= jaxprs.manual_axes(var.aval)
   }
 
   def select(value, old):
@@ -290,15 +251,16 @@ def _evaluate_with_select(closed: Any, finite: jax.Array, inputs: Any,
   env.update(zip(jaxpr.constvars, closed.consts))
   env.update(zip(jaxpr.invars, jax.tree_util.tree_leaves((grads, state, params))))
   for eqn in jaxpr.eqns:
-    outs = _bind_equation(eqn, [_read(env, var) for var in eqn.invars])
+    with jaxprs.equation_context(eqn):
+      outs = jaxprs.bind(eqn, [_read(env, var) for var in eqn.invars])
     for var, value in zip(eqn.outvars, outs):
-      if _is_var(var) and var in select_at:
+      if jaxprs.is_var(var) and var in select_at:
         value = select(value, select_at[var])
       env[var] = value
 
   outs = [_read(env, var) for var in jaxpr.outvars]
   new_leaves = [
-      value if _is_var(var) and var in select_at else select(value, old)
+      value if jaxprs.is_var(var) and var in select_at else select(value, old)
       for var, value, old in zip(state_vars, outs[n_updates:], old_leaves)
   ]
   return outs[:n_updates] + new_leaves

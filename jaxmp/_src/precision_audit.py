@@ -26,11 +26,10 @@ import warnings
 from typing import Any, Callable, Iterable, NamedTuple
 
 import jax
-import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import source_info_util
 
+from jaxmp._src import jaxpr as jaxprs
 from jaxmp._src.policy import parse_dtype
 from jaxmp._src.validation import listing
 
@@ -389,7 +388,7 @@ def _leaf_paths(tree: Any, names: list[str]) -> list[tuple[str, Any]]:
 
 def _trace(
     call: Callable[[Any], Any], tree: Any, names: list[str]
-) -> tuple[jex_core.ClosedJaxpr, list[str]]:
+) -> tuple[Any, list[str]]:
   """The jaxpr of ``call(tree)`` and the argument path of each of its inputs.
 
   The array leaves of ``tree`` (concrete, abstract or tracers) become inputs
@@ -573,7 +572,7 @@ class _Walker:
     self.stdlib = _stdlib_prefixes()
 
   def facts_of(self, atom: Any) -> _Facts:
-    if isinstance(atom, jex_core.Literal):
+    if jaxprs.is_literal(atom):
       return _NOTHING
     return self.facts.get(atom, _NOTHING)
 
@@ -584,7 +583,7 @@ class _Walker:
       name = eqn.primitive.name
       if name in (DOT, CONV):
         self.record(eqn, ins, stack, repeats)
-      subs = list(jex_core.jaxprs_in_params(eqn.params))
+      subs = jaxprs.inner_jaxprs(eqn.params)
       if subs:
         outs = self.walk_inner(eqn, subs, ins, stack, repeats)
       elif name == "convert_element_type":
@@ -699,7 +698,7 @@ def _audit(
   for var, path in zip(jaxpr.invars, paths):
     walker.facts[var] = _Facts(
         narrow_origin=_is_narrow_float(var.aval.dtype), path=path)
-  walker.walk(jaxpr, source_info_util.new_name_stack(), 1)
+  walker.walk(jaxpr, jaxprs.new_name_stack(), 1)
   return PrecisionReport(tuple(walker.ops)), walker.recast_from
 
 

@@ -1,0 +1,98 @@
+"""The canary: every JAX internal that jaxmp touches (jaxmp/_src/jaxpr.py),
+against the installed JAX.
+
+autocast, the precision audit and the in-place select evaluate or read
+jaxprs through these helpers only. If this fails after a JAX upgrade, the
+helper it names needs updating (meanwhile, JAXMP_INPLACE_SELECT=0 turns the
+in-place select off).
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxmp._src import inplace_select
+from jaxmp._src import jaxpr as jaxprs
+
+
+def test_the_jax_internals_jaxmp_relies_on_still_work():
+  @jax.custom_vjp
+  def clipped(x):
+    return jnp.clip(x, -1.0, 1.0)
+
+  clipped.defvjp(lambda x: (clipped(x), None), lambda _, g: (g,))
+
+  def fn(x, y):
+    # A literal, a nested jit, custom_jvp (relu), custom_vjp and primitives
+    # with several results (sort of two operands, top_k).
+    with jax.named_scope("outer"):
+      z = jax.jit(lambda a: a * 2.0 + 1.0)(x)
+    keys, values = jax.lax.sort((y, z), num_keys=1)
+    _, index = jax.lax.top_k(values, 1)
+    return jax.nn.relu(values - 0.5) + clipped(keys), jnp.sum(z), index
+
+  x, y = jnp.linspace(-2.0, 2.0, 5), jnp.array([3.0, 1.0, 2.0, 5.0, 4.0])
+  closed = jax.make_jaxpr(fn)(x, y)
+  jaxpr = closed.jaxpr
+  assert jaxprs.is_closed(closed) and not jaxprs.is_closed(jaxpr)
+  atoms = [a for eqn in jaxpr.eqns for a in eqn.invars]
+  assert any(jaxprs.is_var(a) for a in atoms)
+  literals = [a for a in atoms if jaxprs.is_literal(a)]
+  assert literals and all(np.ndim(a.val) == 0 for a in literals)
+  assert not any(jaxprs.is_dropped(v) for v in jaxpr.invars)
+  jit_eqn = next(e for e in jaxpr.eqns if e.primitive.name == "jit")
+  assert len(jaxprs.inner_jaxprs(jit_eqn.params)) == 1
+  assert {"jit", "sort", "custom_jvp_call", "custom_vjp_call"} <= {
+      eqn.primitive.name for eqn in jaxpr.eqns}
+  assert {"dot_general", "exp", "reduce_sum"} <= jaxprs.primitive_names()
+  assert jaxprs.is_primitive(jit_eqn.primitive)
+
+  def evaluate(x, y):
+    env = dict(zip(jaxpr.constvars, closed.consts))
+    env.update(zip(jaxpr.invars, (x, y)))
+    for eqn in jaxpr.eqns:
+      with jaxprs.equation_context(eqn):
+        outs = jaxprs.bind(
+            eqn, [a.val if jaxprs.is_literal(a) else env[a] for a in eqn.invars])
+      assert len(outs) == len(eqn.outvars)
+      env.update(zip(eqn.outvars, outs))
+    return [env[a] for a in jaxpr.outvars]
+
+  expected = fn(x, y)
+  for run in (evaluate, jax.jit(evaluate)):
+    chex.assert_trees_all_equal(tuple(run(x, y)), expected)
+  # The name stack of a trace, which the equation's context extends.
+  names = {}
+
+  def named(x):
+    with jax.named_scope("block"):
+      names["stack"] = str(jaxprs.current_name_stack())
+    return x
+
+  jax.make_jaxpr(named)(x)
+  assert "block" in names["stack"]
+  assert str(jaxprs.new_name_stack()) == ""
+
+  # Varying manual axes: inside shard_map, per-device values vary, replicated
+  # ones do not; outside, nothing does.
+  assert not jaxprs.manual_axes(jax.typeof(x))
+  mesh = jax.make_mesh((2,), ("d",), devices=jax.devices()[:2],
+                       axis_types=(jax.sharding.AxisType.Auto,))
+  seen = {}
+
+  def body(sharded, replicated):
+    seen["sharded"] = jaxprs.manual_axes(jax.typeof(sharded))
+    seen["replicated"] = jaxprs.manual_axes(jax.typeof(replicated))
+    # A jaxpr traced inside shard_map keeps those types, so a re-evaluation
+    # binds its equations (pvary included) with the types they were traced with.
+    closed = jax.make_jaxpr(lambda a, b: a * b)(sharded, replicated)
+    seen["kept"] = inplace_select._keeps_manual_axes(closed.jaxpr, [sharded, replicated])
+    seen["pvary"] = "pvary" in {eqn.primitive.name for eqn in closed.jaxpr.eqns}
+    return sharded
+
+  jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("d"), P()),
+                        out_specs=P("d")))(jnp.ones(4), jnp.ones(()))
+  assert seen["sharded"] == {"d"} and seen["replicated"] == frozenset()
+  assert seen["kept"] and seen["pvary"]
