@@ -917,8 +917,10 @@ def test_nnx_autocast_multiplies_in_bf16_whatever_the_layers_declare():
   graphdef, state = nnx.split(_DeclaredFloat32Nnx(nnx.Rngs(0)))
 
   def value_and_grad(state, autocast):  # on a fresh copy of the same model
-    return jaxmp.flax.nnx_scaled_value_and_grad(_nnx_loss, scale, autocast=autocast)(
-        nnx.merge(graphdef, state, copy=True), x)
+    loss_fn = jaxmp.autocast(_nnx_loss, autocast) if autocast else _nnx_loss
+    return jaxmp.scaled_value_and_grad(
+        loss_fn, scale, value_and_grad=nnx.value_and_grad)(
+            nnx.merge(graphdef, state, copy=True), x)
 
   # The loss and its gradient: 3 matmuls forward, 2 backward each but the
   # input gradient of x. As written, the declared float32 wins.
@@ -945,8 +947,10 @@ def test_nnx_autocast_writes_back_the_variables_the_model_updates():
   for name, autocast in (("f32", False), ("bf16", "mixed_bfloat16")):
     # Under nnx.jit, which carries out only what the function wrote back to
     # the model it was given (and compiles once instead of running op by op).
-    nnx.jit(jaxmp.flax.nnx_scaled_value_and_grad(
-        _nnx_loss, jaxmp.NoOpLossScale(), autocast=autocast))(models[name], x)
+    loss_fn = jaxmp.autocast(_nnx_loss, autocast) if autocast else _nnx_loss
+    nnx.jit(jaxmp.scaled_value_and_grad(
+        loss_fn, jaxmp.NoOpLossScale(), value_and_grad=nnx.value_and_grad))(
+            models[name], x)
   full, mixed = models["f32"], models["bf16"]
   # BatchNorm statistics: updated, in float32, close to the float32 run's;
   # the dropout RNG advanced as without autocast.
@@ -967,9 +971,10 @@ def test_nnx_autocast_trains_under_nnx_jit_without_retracing():
   @nnx.jit
   @chex.assert_max_traces(n=1)
   def step(model, optimizer, x):
-    loss, grads = jaxmp.flax.nnx_scaled_value_and_grad(
-        _nnx_loss, jaxmp.get_loss_scale(optimizer.opt_state),
-        autocast="mixed_float16")(model, x)
+    loss, grads = jaxmp.scaled_value_and_grad(
+        jaxmp.autocast(_nnx_loss, "mixed_float16"),
+        jaxmp.get_loss_scale(optimizer.opt_state),
+        value_and_grad=nnx.value_and_grad)(model, x)
     optimizer.update(model, grads)
     return loss
 
@@ -985,8 +990,7 @@ def test_nnx_autocast_trains_under_nnx_jit_without_retracing():
 
 def test_plain_autocast_takes_an_nnx_model_that_updates_nothing():
   # In eval mode (running averages, no dropout) the model is not changed in
-  # place, so jaxmp.autocast itself can run it (training mode is refused: the
-  # bad-input catalogue).
+  # place.
   model = _DeclaredFloat32Nnx(nnx.Rngs(0))
   model.eval()
   fast = jaxmp.autocast(_nnx_loss, "mixed_bfloat16")

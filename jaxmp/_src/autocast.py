@@ -30,6 +30,7 @@ from jax import lax
 
 from jaxmp._src import jaxpr as jaxprs
 from jaxmp._src.autocast_rules import autocast_rules
+from jaxmp._src.frameworks import holds_nnx_objects
 from jaxmp._src.policy import Policy, get_policy
 from jaxmp._src.rules import check_pattern, rule_table
 
@@ -835,21 +836,25 @@ def autocast(
   resolved = _resolve_policy(policy)
   table = autocast_rules(rules)
   scopes = _ScopePolicies(scope_policies, resolved)
-  return _autocast_function(fn, resolved, table, scopes, returns_state=False)
+  plain = _autocast_function(fn, resolved, table, scopes, returns_state=False)
+  on_objects = []  # built on the first call with NNX objects
 
+  @functools.wraps(fn)
+  def autocast_fn(*args, **kwargs):
+    if not holds_nnx_objects((args, kwargs)):
+      return plain(*args, **kwargs)
+    if not on_objects:
+      # The NNX variables fn updates in place (BatchNorm statistics, RNG
+      # counts) come out of the evaluation, in their own dtypes, and are
+      # written back to the caller's objects.
+      from jaxmp._src.flax import nnx as nnx_adapter  # pylint: disable=g-import-not-at-top
 
-def autocast_returning_state(fn: Callable[..., Any], policy: Any) -> Callable[..., Any]:
-  """:func:`autocast` of ``fn(*args, **kwargs) -> (outputs, state)``.
+      on_objects.append(nnx_adapter.on_a_copy(
+          fn, lambda pure_fn: _autocast_function(
+              pure_fn, resolved, table, scopes, returns_state=True)))
+    return on_objects[0](*args, **kwargs)
 
-  The floating leaves of ``outputs`` come back in the policy's output dtype,
-  as with :func:`autocast`; those of ``state`` (the updated variables of a
-  stateful model, such as NNX's BatchNorm statistics) in the dtypes ``fn``
-  gave them, so that the state keeps its dtypes from step to step.
-  """
-  resolved = _resolve_policy(policy)
-  return _autocast_function(
-      fn, resolved, autocast_rules(), _ScopePolicies(None, resolved),
-      returns_state=True)
+  return autocast_fn
 
 
 def _check_arguments_unchanged(fn, arguments, treedef, leaves) -> None:
@@ -859,13 +864,10 @@ def _check_arguments_unchanged(fn, arguments, treedef, leaves) -> None:
     return
   name = getattr(fn, "__name__", type(fn).__name__)
   raise TypeError(
-      f"jaxmp.autocast: {name} changed its arguments in place (e.g. an NNX "
-      "module's BatchNorm statistics, RNG counts or sown values). autocast "
+      f"jaxmp.autocast: {name} changed its arguments in place. autocast "
       "traces the function and evaluates the trace again, so those updates "
-      "would be lost. For an NNX model, use "
-      "jaxmp.flax.nnx_scaled_value_and_grad(loss_fn, loss_scale, "
-      "autocast='mixed_bfloat16'), which carries them; otherwise return the "
-      "new values instead of assigning them."
+      "would be lost. Return the new values instead of assigning them (NNX "
+      "modules are the exception: autocast writes their variables back)."
   )
 
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src.frameworks import holds_nnx_objects
 from jaxmp._src.inplace_select import check_same_structure
 from jaxmp._src.loss_scale import LossScale, NoOpLossScale, StaticLossScale
 from jaxmp._src.loss_scaling import _find_state, loss_scaling_states_with_path
@@ -280,7 +281,7 @@ def retry_skipped(
     _refuse_accumulation(state)
     retries_help = not isinstance(
         scaling.loss_scale, (StaticLossScale, NoOpLossScale))
-    nnx_objects = _holds_nnx_objects(state)
+    nnx_objects = holds_nnx_objects(state)
     if nnx_objects:
       # NNX objects cannot be carried by a loop: their arrays are.
       from jaxmp._src.flax import nnx as nnx_adapter  # pylint: disable=g-import-not-at-top
@@ -386,11 +387,3 @@ def _plain(loss_scale: LossScale) -> LossScale:
 
 def _is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
-
-
-def _holds_nnx_objects(state: Any) -> bool:
-  """Whether ``state`` holds NNX objects (which must be split to be carried)."""
-  def is_nnx(x):
-    return any(c.__module__.startswith("flax.nnx") for c in type(x).__mro__)
-
-  return any(is_nnx(x) for x in jax.tree_util.tree_leaves(state, is_leaf=is_nnx))

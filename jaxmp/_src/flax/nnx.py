@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxmp._src.autocast import autocast_returning_state
+from jaxmp._src import autocast as autocasting
 from jaxmp._src.flax.fp8 import (
     in_step_units, keep_meta_of_ops_that_did_not_run, skip_unless_meta_finite)
 from jaxmp._src.flax.fp8_nnx import Fp8Meta
@@ -113,7 +113,7 @@ def nnx_scaled_value_and_grad(
   autocast_policy = _autocast_policy(autocast)
   model_fun = fun
   if autocast_policy is not None:
-    fun = _under_autocast(fun, autocast_policy)
+    fun = autocasting.autocast(fun, autocast_policy)
   grad_fn = scale_then_differentiate(
       nnx.value_and_grad, fun, loss_scale, argnums=argnums, has_aux=has_aux,
       caller=_CALLER, state_hint=_STATE_HINT)
@@ -245,31 +245,33 @@ def _autocast_policy(autocast: Any) -> Policy | None:
         "or a policy, e.g. autocast='mixed_bfloat16'.") from None
 
 
-def _under_autocast(fun: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
-  """``fun`` under :func:`jaxmp.autocast`, for NNX modules updated in place.
+def on_a_copy(fn: Callable[..., Any], evaluate: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` over NNX objects, run by ``evaluate`` on a copy, written back.
 
-  Autocast evaluates a trace of ``fun``; an NNX module's in-place updates
-  (BatchNorm statistics, RNG counts) would stay inside it. So ``fun`` runs on
-  a copy merged from the split state, returns the variables it leaves, and
-  those are written back to the caller's modules.
+  ``evaluate(pure_fn)`` returns a function of ``pure_fn``'s arguments (for
+  :func:`jaxmp.autocast`, one that traces and evaluates it again), where
+  ``pure_fn(graphdef, state) -> (out, variables)`` merges a copy of the
+  objects, runs ``fn`` and returns what it computed and the variables it
+  left. The objects' in-place updates (BatchNorm statistics, RNG counts) are
+  then written back to the caller's objects.
   """
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  def on_a_copy(graphdef, state):
+  def pure_fn(graphdef, state):
     args, kwargs = nnx.merge(graphdef, state, copy=True)
-    out = fun(*args, **kwargs)
+    out = fn(*args, **kwargs)
     return out, nnx.state((args, kwargs), nnx.Variable)
 
-  cast_on_a_copy = autocast_returning_state(on_a_copy, policy)
+  evaluated = evaluate(pure_fn)
 
-  @functools.wraps(fun)
-  def autocast_fun(*args, **kwargs):
+  @functools.wraps(fn)
+  def on_objects(*args, **kwargs):
     graphdef, state = nnx.split((args, kwargs))
-    out, variables = cast_on_a_copy(graphdef, state)
+    out, variables = evaluated(graphdef, state)
     nnx.update((args, kwargs), variables)
     return out
 
-  return autocast_fun
+  return on_objects
 
 
 @contextlib.contextmanager
