@@ -2,7 +2,8 @@
 
 nnx.Optimizer takes jaxmp.loss_scaling as its optimizer; a ModulePolicy sets
 the layers' compute dtype (float16, the LayerNorm float32) without touching
-the model code; nnx_scaled_value_and_grad gives the scaled gradients.
+the model code; jaxmp.scaled_value_and_grad with nnx.value_and_grad gives the
+scaled gradients.
 
     python examples/flax_nnx.py --steps 300
     python examples/flax_nnx.py --policy mixed_bfloat16  # no loss scaling
@@ -65,7 +66,8 @@ def train_step(model, optimizer, x, y, policy: jaxmp.Policy):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
   loss_scale = jaxmp.get_loss_scale(optimizer.opt_state)
-  loss, grads = jaxmp.flax.nnx_scaled_value_and_grad(loss_fn, loss_scale)(model)
+  loss, grads = jaxmp.scaled_value_and_grad(
+      loss_fn, loss_scale, value_and_grad=nnx.value_and_grad)(model)
   optimizer.update(model, grads)  # unscales; skips the step if not finite
   return loss
 

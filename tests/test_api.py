@@ -37,8 +37,7 @@ PUBLIC = {
 }
 
 FLAX_PUBLIC = {
-    "TrainState", "ModulePolicy", "nnx_scaled_value_and_grad",
-    "nnx_keep_on_skip", "Fp8Meta",
+    "TrainState", "ModulePolicy", "Fp8Meta",
     "save_checkpoint", "restore_checkpoint", "loss_scale_config",
     "find_overflowing_modules", "OverflowReport",
 }

@@ -885,7 +885,7 @@ def test_train_state_autocast_trains_and_skips_an_inf_step():
   chex.assert_trees_all_equal(state.params, before)
 
 
-# -- NNX: nnx_scaled_value_and_grad(..., autocast=policy) -----------------------
+# -- NNX: jaxmp.autocast over NNX models ------------------------------------------
 
 
 class _DeclaredFloat32Nnx(nnx.Module):

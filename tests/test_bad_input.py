@@ -893,16 +893,6 @@ CASES = [
                                 "mixed_bfloat16")({"x": jnp.ones(2)}),
          TypeError, r"jaxmp\.autocast: <lambda> changed its arguments in place",
          r"Return the new values instead of assigning them"),
-    Case("nnx_scaled_value_and_grad: autocast=True",
-         lambda: jaxmp.flax.nnx_scaled_value_and_grad(
-             jnp.sum, jaxmp.NoOpLossScale(), autocast=True), TypeError,
-         r"autocast takes the policy to run the loss under.*got True",
-         r"autocast='mixed_bfloat16'"),
-    Case("nnx_scaled_value_and_grad: an unknown autocast policy",
-         lambda: jaxmp.flax.nnx_scaled_value_and_grad(
-             jnp.sum, jaxmp.NoOpLossScale(), autocast="mixed_bf16"), ValueError,
-         r"nnx_scaled_value_and_grad, autocast: Unknown policy 'mixed_bf16'",
-         r"mixed_bfloat16"),
 ]
 
 
@@ -917,13 +907,12 @@ def field_state():
   return FieldState.create(apply_fn=None, params=PARAMS, tx=optax.sgd(0.1), ema=PARAMS)
 
 
-def keep_on_skip_without_loss_scaling():
+def keep_on_skip_live_nnx_variables():
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
-  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
-  with jaxmp.flax.nnx_keep_on_skip(model, optimizer):
-    pass
+  model = nnx.BatchNorm(2, rngs=nnx.Rngs(0))
+  live = nnx.state(model, nnx.BatchStat)
+  jaxmp.keep_on_skip(STATE, live, live)
 
 
 def restore_saved(save, target, **kwargs):
@@ -964,10 +953,10 @@ FLAX_CASES = [
          lambda: field_state().apply_gradients(grads=PARAMS, ema=WIDE),
          ValueError, r"differ in shape at \['w'\]: \(3,\) against \(2,\)",
          r"must have its structure and shapes"),
-    Case("nnx_keep_on_skip: an optimizer without loss scaling",
-         keep_on_skip_without_loss_scaling, ValueError,
-         r"nnx_keep_on_skip: no jaxmp\.loss_scaling state found",
-         r"Wrap the optimizer with jaxmp\.loss_scaling"),
+    Case("keep_on_skip: the model's own NNX variables as the old value",
+         keep_on_skip_live_nnx_variables, ValueError,
+         r"the old value holds the model's own NNX variables",
+         r"Take a copy before the step: old = jax\.tree\.map"),
     Case("restore_checkpoint: no such directory",
          lambda: jaxmp.flax.restore_checkpoint("/nonexistent/step_1", STATE),
          FileNotFoundError, r"there is no checkpoint at /nonexistent/step_1",
@@ -1348,12 +1337,6 @@ def fp8_nnx_model(policy="mixed_fp8", **kwargs):
   return model
 
 
-def fp8_nnx_grads(**kwargs):
-  loss_fn = lambda model: jnp.sum(model(jnp.ones((1, 2))).astype(jnp.float32))
-  return lambda: jaxmp.flax.nnx_scaled_value_and_grad(
-      loss_fn, jaxmp.NoOpLossScale(), **kwargs)(fp8_nnx_model())
-
-
 FP8_NNX_CASES = [
     Case("set_nnx_dtypes: an nnx.Linear with its own dot_general under an FP8 policy",
          lambda: fp8_nnx_model(dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k)),
@@ -1369,14 +1352,12 @@ FP8_NNX_CASES = [
          lambda: fp8_nnx_model()(jnp.ones((1, 2)), out_sharding=jax.sharding.PartitionSpec()),
          ValueError, r"fp8_scaled_dot_general takes no out_sharding",
          r"Call the layer without it"),
-    Case("nnx_scaled_value_and_grad: FP8 meta outside nnx_keep_on_skip", fp8_nnx_grads(),
-         ValueError, r"the model has FP8 meta \(jaxmp\.flax\.Fp8Meta\), whose new "
-         r"values this call writes into the model",
-         r"with jaxmp\.flax\.nnx_keep_on_skip\(model, optimizer\)"),
-    Case("nnx_scaled_value_and_grad: FP8 meta with autocast=",
-         fp8_nnx_grads(autocast="mixed_bfloat16"), ValueError,
-         r"the model has FP8 meta; autocast cannot run FP8 matmuls",
-         r"Leave autocast off"),
+    Case("autocast: a model with FP8 meta",
+         lambda: jaxmp.autocast(
+             lambda model: jnp.sum(model(jnp.ones((1, 2))).astype(jnp.float32)),
+             "mixed_bfloat16")(fp8_nnx_model()), ValueError,
+         r"autocast: the model has FP8 meta \(jaxmp\.flax\.Fp8Meta\)",
+         r"leave autocast out"),
 ]
 
 CASES += FP8_NNX_CASES

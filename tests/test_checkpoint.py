@@ -147,8 +147,9 @@ def make_nnx():
 @nnx.jit
 def nnx_step(model, optimizer, x, y):
   loss_fn = lambda m: optax.softmax_cross_entropy_with_integer_labels(m(x), y).mean()
-  _, grads = jaxmp.flax.nnx_scaled_value_and_grad(
-      loss_fn, jaxmp.get_loss_scale(optimizer.opt_state))(model)
+  _, grads = jaxmp.scaled_value_and_grad(
+      loss_fn, jaxmp.get_loss_scale(optimizer.opt_state),
+      value_and_grad=nnx.value_and_grad)(model)
   optimizer.update(model, grads)
 
 

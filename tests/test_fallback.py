@@ -384,9 +384,10 @@ def _nnx_run(head_scale=1.0, loss_scale=None):
   @nnx.jit
   def step(model, optimizer, x):
     traces.append(None)
-    loss, grads = jaxmp.flax.nnx_scaled_value_and_grad(
+    loss, grads = jaxmp.scaled_value_and_grad(
         lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2),
-        jaxmp.get_loss_scale(optimizer.opt_state))(model)
+        jaxmp.get_loss_scale(optimizer.opt_state),
+        value_and_grad=nnx.value_and_grad)(model)
     optimizer.update(model, grads)
     return loss
 

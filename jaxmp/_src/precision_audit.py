@@ -78,8 +78,7 @@ def _is_wide_float(dtype: Any) -> bool:
 class PrecisionWarning(UserWarning):
   """A half-precision policy that does not take effect: the matmuls run in float32.
 
-  :meth:`jaxmp.flax.TrainState.value_and_grad` and
-  :func:`jaxmp.flax.nnx_scaled_value_and_grad` raise it at trace time (once
+  :meth:`jaxmp.flax.TrainState.value_and_grad` raises it at trace time (once
   per compilation), with the cause and the fix. Filter or escalate it with the
   :mod:`warnings` module.
 
@@ -781,27 +780,6 @@ _ADVICE = {
             "keeps that input in float32 on purpose, ignore this."
         ),
     },
-    "nnx_scaled_value_and_grad": {
-        "subject": "the model computes in {dtype} (the 16-bit dtype its trace shows)",
-        "report": "jaxmp.precision_report(loss_fn, model)",
-        "recast": (
-            "Fix: give the layers the compute dtype, e.g. with "
-            "jaxmp.flax.ModulePolicy(..., default='{policy}').set_nnx_dtypes(model), "
-            "or build them with dtype=jnp.{dtype}."
-        ),
-        "closure": (
-            "NNX layers cast their inputs only when their dtype is set. Fix: "
-            "set the layers' dtype (jaxmp.flax.ModulePolicy(..., "
-            "default='{policy}').set_nnx_dtypes(model)), or cast the array "
-            "with policy.cast_to_compute before the model sees it."
-        ),
-        "mixed": (
-            "A layer without a dtype attribute (a custom module?) keeps its "
-            "float32 params. Fix: cast them to the dtype of the input in its "
-            "__call__, or give it a dtype attribute that "
-            "ModulePolicy.set_nnx_dtypes can set."
-        ),
-    },
 }
 
 _CAUSE_TEXT = {
@@ -914,7 +892,6 @@ def warn_on_first_trace(
     compute_dtype: Any,
     caller: str,
     names_from: Callable[..., Any] | None = None,
-    prepare: Callable[[tuple, dict], tuple[Callable[[Any], Any], Any]] | None = None,
 ) -> Callable[..., Any]:
   """Returns ``grad_fn`` that, once per new argument signature, audits ``audited_fn``.
 
@@ -929,17 +906,11 @@ def warn_on_first_trace(
     grad_fn: the function to return, wrapped.
     audited_fn: the function whose matmuls are audited, called with the same
       arguments as ``grad_fn``.
-    compute_dtype: the policy's compute dtype; ``None`` to use the 16-bit
-      dtype the trace itself shows (the NNX helper, which has no policy).
-    caller: the helper's name, ``"TrainState.value_and_grad"`` or
-      ``"nnx_scaled_value_and_grad"``: it opens the warning and selects the
-      advice.
+    compute_dtype: the policy's compute dtype.
+    caller: the helper's name, ``"TrainState.value_and_grad"``: it opens the
+      warning and selects the advice.
     names_from: the function whose signature names the arguments (default
       ``audited_fn``).
-    prepare: turns ``(args, kwargs)`` into ``(call, tree)`` to trace
-      ``call(tree)`` instead, where ``tree`` has the first two levels of
-      ``(args, kwargs)`` (NNX splits its modules, so that tracing leaves them
-      untouched).
   """
   seen: set[Any] = set()
 
@@ -949,27 +920,14 @@ def warn_on_first_trace(
     key = _signature(args, kwargs)
     if key not in seen:
       seen.add(key)
-      call, tree = (prepare(args, kwargs) if prepare
-                    else (_call_with(audited_fn), (args, kwargs)))
+      call, tree = _call_with(audited_fn), (args, kwargs)
       names = _argument_names(names_from or audited_fn, args, kwargs)
       with warnings.catch_warnings():  # grad_fn's trace gave them already
         warnings.simplefilter("ignore", PrecisionWarning)
-        report, recast_from = _audit(call, tree, names)
-      dtype = compute_dtype if compute_dtype is not None else _seen_half(
-          report, recast_from)
-      text = None if dtype is None else _warning_text(report, dtype, caller)
+        report, _ = _audit(call, tree, names)
+      text = _warning_text(report, compute_dtype, caller)
       if text is not None:
         warnings.warn(text, PrecisionWarning, stacklevel=2)
     return out
 
   return checked
-
-
-def _seen_half(report: PrecisionReport, recast_from: set[str]) -> np.dtype | None:
-  """The 16-bit float dtype a trace computes in or casts to, if exactly one."""
-  seen = set(recast_from)
-  for op in report.ops:
-    seen.update(d.name for d in (op.lhs_dtype, op.rhs_dtype) if d.name in (
-        "float16", "bfloat16"))
-  seen &= {"float16", "bfloat16"}
-  return np.dtype(seen.pop()) if len(seen) == 1 else None

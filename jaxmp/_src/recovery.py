@@ -52,7 +52,14 @@ def keep_on_skip(opt_state: Any, new: Any, old: Any) -> Any:
 
   Raises:
     ValueError: if ``opt_state`` holds no loss-scaling state (or more than
-      one), or ``new`` and ``old`` differ in structure or shapes.
+      one), ``new`` and ``old`` differ in structure or shapes, or ``old``
+      holds the very NNX variables ``new`` holds (not a copy).
+
+  For NNX, whose layers update their variables in place, take a copy of
+  them before the step and write the kept ones back after the update:
+  ``old = jax.tree.map(lambda x: x, nnx.state(model, nnx.BatchStat))``, then
+  ``nnx.update(model, jaxmp.keep_on_skip(optimizer.opt_state,
+  nnx.state(model, nnx.BatchStat), old))``.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxmp
@@ -64,6 +71,7 @@ def keep_on_skip(opt_state: Any, new: Any, old: Any) -> Any:
     {'mean': Array([0., 0.], dtype=float32)}
   """
   applied = jnp.asarray(_find_state(opt_state, "jaxmp.keep_on_skip").last_finite)
+  _refuse_live_variables(new, old)
   check_same_structure(
       new, old, owner="jaxmp.keep_on_skip",
       names=("the new value", "the old value"),
@@ -76,6 +84,26 @@ def keep_on_skip(opt_state: Any, new: Any, old: Any) -> Any:
     return jnp.where(applied, new_leaf.astype(old_leaf.dtype), old_leaf)
 
   return jax.tree_util.tree_map(select, new, old)
+
+
+def _refuse_live_variables(new: Any, old: Any) -> None:
+  """Refuses an ``old`` that holds the very variables ``new`` holds.
+
+  ``nnx.state(model, ...)`` returns the model's own ``nnx.Variable`` objects,
+  which the step updates in place: taken before the step and given as
+  ``old``, it already holds the new values, and nothing would be kept.
+  """
+  def is_variable(x):
+    return hasattr(x, "get_value") and hasattr(x, "set_value")
+
+  new_variables = jax.tree_util.tree_leaves(new, is_leaf=is_variable)
+  old_variables = jax.tree_util.tree_leaves(old, is_leaf=is_variable)
+  if any(is_variable(a) and a is b for a, b in zip(new_variables, old_variables)):
+    raise ValueError(
+        "jaxmp.keep_on_skip: the old value holds the model's own NNX "
+        "variables, which the step has updated in place, so it already holds "
+        "the new values and nothing would be kept. Take a copy before the "
+        "step: old = jax.tree.map(lambda x: x, nnx.state(model, nnx.BatchStat)).")
 
 
 class RecoveryInfo(NamedTuple):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable, Sequence
 
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxmp._src.frameworks import holds_nnx_objects
 from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.validation import jmp_loss_scale_fix
 
@@ -41,6 +43,15 @@ def scaled_value_and_grad(
   ``value_and_grad=eqx.filter_value_and_grad`` whenever the differentiated
   argument holds functions or other non-array leaves, as Equinox modules do.
 
+  **NNX.** Pass ``value_and_grad=nnx.value_and_grad``: the gradients are
+  those of the ``nnx.Param`` variables, as an ``nnx.Optimizer`` built on
+  :func:`loss_scaling` expects. A model with FP8 ops (``"mixed_fp8"``, see
+  ``docs/fp8.md``) has its FP8 meta (:class:`jaxmp.flax.Fp8Meta`)
+  differentiated too: the new meta is written into the model where finite,
+  its output-gradient part in unscaled units, and the gradients are nan where
+  it is not, so that the optimizer skips the step. Guard the meta (and the
+  BatchNorm statistics) with :func:`jaxmp.keep_on_skip` after the update.
+
   Args:
     fun: the loss function; returns a floating-point scalar (and aux when
       ``has_aux``).
@@ -68,10 +79,25 @@ def scaled_value_and_grad(
     >>> float(loss), grads
     (5.0, Array([ 8., 16.], dtype=float32))
   """
-  return scale_then_differentiate(
+  grad_fn = scale_then_differentiate(
       value_and_grad, fun, loss_scale, argnums=argnums, has_aux=has_aux,
       caller="scaled_value_and_grad",
       state_hint="With an optimizer state, pass jaxmp.get_loss_scale(opt_state).")
+  with_fp8_meta = []  # built on the first call with NNX objects
+
+  @functools.wraps(fun)
+  def scaled_value_and_grad_fn(*args, **kwargs):
+    if not holds_nnx_objects((args, kwargs)):
+      return grad_fn(*args, **kwargs)
+    if not with_fp8_meta:
+      # An NNX model's FP8 meta is differentiated too, and written back.
+      from jaxmp._src.flax import nnx as nnx_adapter  # pylint: disable=g-import-not-at-top
+
+      with_fp8_meta.append(nnx_adapter.with_fp8_meta(
+          grad_fn, fun, loss_scale, argnums, has_aux))
+    return with_fp8_meta[0](*args, **kwargs)
+
+  return scaled_value_and_grad_fn
 
 
 def _takes_argnums(value_and_grad: Callable[..., Any]) -> bool:
@@ -120,8 +146,9 @@ def scale_then_differentiate(
   """``value_and_grad`` (JAX's, NNX's, Equinox's) of ``loss_scale.scale(fun(...))``.
 
   Returns the unscaled loss (with aux when ``has_aux``) and the gradients of
-  the scaled loss. Shared by :func:`scaled_value_and_grad` and
-  :func:`jaxmp.flax.nnx_scaled_value_and_grad`; errors name ``caller``.
+  the scaled loss. Shared by :func:`scaled_value_and_grad`,
+  :meth:`jaxmp.flax.TrainState.value_and_grad` and the NNX FP8 path; errors
+  name ``caller``.
   """
   if not isinstance(loss_scale, LossScale):
     raise TypeError(

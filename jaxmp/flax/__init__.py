@@ -2,11 +2,11 @@
 
 * :class:`TrainState` wraps a Linen model's optimizer with
   :func:`jaxmp.loss_scaling` and runs the loss under a policy.
-* For NNX, ``nnx.Optimizer(model, jaxmp.loss_scaling(...), wrt=nnx.Param)``
-  works as it is; :func:`nnx_scaled_value_and_grad` gives the scaled gradients
-  and :func:`nnx_keep_on_skip` keeps the BatchNorm statistics on skipped steps;
-  under an FP8 policy the scales and amax histories
-  of the NNX FP8 ops are :class:`Fp8Meta` variables.
+* NNX needs no module of its own: ``nnx.Optimizer(model,
+  jaxmp.loss_scaling(...), wrt=nnx.Param)``,
+  ``jaxmp.scaled_value_and_grad(..., value_and_grad=nnx.value_and_grad)`` and
+  :func:`jaxmp.keep_on_skip`; under an FP8 policy the scales and amax
+  histories of the NNX FP8 ops are :class:`Fp8Meta` variables.
 * :class:`ModulePolicy` runs chosen modules (``nn.LayerNorm``, ``"head"``) under
   their own policy, for Linen and NNX models.
 * :func:`save_checkpoint` / :func:`restore_checkpoint` use orbax and check the
@@ -24,15 +24,12 @@ from jaxmp._src.flax.checkpoint import (
 )
 from jaxmp._src.flax.fp8_nnx import Fp8Meta
 from jaxmp._src.flax.module_policy import ModulePolicy
-from jaxmp._src.flax.nnx import nnx_keep_on_skip, nnx_scaled_value_and_grad
 from jaxmp._src.flax.promotion import OverflowReport, find_overflowing_modules
 from jaxmp._src.flax.train_state import TrainState
 
 __all__ = [
     "TrainState",
     "ModulePolicy",
-    "nnx_scaled_value_and_grad",
-    "nnx_keep_on_skip",
     "Fp8Meta",
     "save_checkpoint",
     "restore_checkpoint",

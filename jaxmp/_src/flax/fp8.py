@@ -18,8 +18,8 @@ value. This module holds what jaxmp adds around Flax's ops, for Linen and
   gradients the op sees are scaled), and its new value divided by it;
 * :func:`split_fp8_grads`, :func:`keep_meta_of_ops_that_did_not_run`,
   :func:`meta_is_finite` and :func:`skip_unless_meta_finite`, which
-  :meth:`jaxmp.flax.TrainState.apply_gradients` and
-  :func:`jaxmp.flax.nnx_scaled_value_and_grad` use to guard the meta.
+  :meth:`jaxmp.flax.TrainState.apply_gradients` and the NNX path of
+  :func:`jaxmp.scaled_value_and_grad` use to guard the meta.
 """
 
 from __future__ import annotations

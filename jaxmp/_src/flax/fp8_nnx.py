@@ -10,8 +10,8 @@ attaches to each such layer an op of this module (:func:`attach_fp8_op`): an
 variables, laid out as Flax's Linen ops lay them out (:func:`flax_fp8_meta`),
 whose call is Flax's own ``fp8_ops.fp8_scaled_dot_general``. As in Linen, the
 gradient of a meta variable is its new value;
-:func:`jaxmp.flax.nnx_scaled_value_and_grad` takes it and writes it, and
-:func:`jaxmp.flax.nnx_keep_on_skip` keeps the meta on a skipped step.
+:func:`jaxmp.scaled_value_and_grad` takes it and writes it, and
+:func:`jaxmp.keep_on_skip` keeps the meta on a skipped step.
 """
 
 from __future__ import annotations

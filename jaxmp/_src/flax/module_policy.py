@@ -443,8 +443,9 @@ class ModulePolicy(RuleTablePolicy):
     ``nnx.Module`` calling Flax's ``fp8_ops.fp8_scaled_dot_general``, whose
     scales and amax histories are :class:`jaxmp.flax.Fp8Meta` variables of
     the model (named and initialised as in Flax's Linen ops). Train it with
-    :func:`jaxmp.flax.nnx_scaled_value_and_grad` inside
-    :func:`jaxmp.flax.nnx_keep_on_skip` (see the FP8 guide). A second call
+    ``jaxmp.scaled_value_and_grad(..., value_and_grad=nnx.value_and_grad)``,
+    which updates the meta, and guard the meta with :func:`jaxmp.keep_on_skip`
+    (see the FP8 guide). A second call
     with the same policy keeps the ops and their meta.
 
     Args:
