@@ -331,8 +331,10 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
 
 
 def _pages() -> list[pathlib.Path]:
+  """The guide pages, and the README, whose loop a newcomer runs first."""
   pages = sorted(DOCS.rglob("*.md"))
-  return [p for p in pages if p.relative_to(DOCS).parts[0] not in NOT_SOURCE]
+  return [ROOT / "README.md"] + [
+      p for p in pages if p.relative_to(DOCS).parts[0] not in NOT_SOURCE]
 
 
 def test_python_blocks_are_found():
@@ -345,7 +347,7 @@ def _pages_with_code() -> list:
   for page in _pages():
     if not python_blocks(page.read_text(encoding="utf-8")):
       continue
-    name = page.relative_to(DOCS).as_posix()
+    name = page.relative_to(DOCS if DOCS in page.parents else ROOT).as_posix()
     marks = []
     if name in STANDARD_PROMOTION_PAGES:
       marks = [pytest.mark.standard_promotion(reason=STANDARD_PROMOTION_PAGES[name])]
