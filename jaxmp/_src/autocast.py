@@ -30,7 +30,7 @@ from jax import lax
 
 from jaxmp._src import jaxpr as jaxprs
 from jaxmp._src.autocast_rules import autocast_rules
-from jaxmp._src.frameworks import holds_nnx_objects
+from jaxmp._src.frameworks import for_nnx_objects
 from jaxmp._src.policy import Policy, get_policy
 from jaxmp._src.rules import check_pattern, rule_table
 
@@ -836,25 +836,18 @@ def autocast(
   resolved = _resolve_policy(policy)
   table = autocast_rules(rules)
   scopes = _ScopePolicies(scope_policies, resolved)
-  plain = _autocast_function(fn, resolved, table, scopes, returns_state=False)
-  on_objects = []  # built on the first call with NNX objects
+  def on_objects():
+    # The NNX variables fn updates in place (BatchNorm statistics, RNG
+    # counts) come out of the evaluation, in their own dtypes, and are
+    # written back to the caller's objects.
+    from jaxmp._src.flax import nnx as nnx_adapter  # pylint: disable=g-import-not-at-top
 
-  @functools.wraps(fn)
-  def autocast_fn(*args, **kwargs):
-    if not holds_nnx_objects((args, kwargs)):
-      return plain(*args, **kwargs)
-    if not on_objects:
-      # The NNX variables fn updates in place (BatchNorm statistics, RNG
-      # counts) come out of the evaluation, in their own dtypes, and are
-      # written back to the caller's objects.
-      from jaxmp._src.flax import nnx as nnx_adapter  # pylint: disable=g-import-not-at-top
+    return nnx_adapter.on_a_copy(fn, lambda pure_fn: _autocast_function(
+        pure_fn, resolved, table, scopes, returns_state=True))
 
-      on_objects.append(nnx_adapter.on_a_copy(
-          fn, lambda pure_fn: _autocast_function(
-              pure_fn, resolved, table, scopes, returns_state=True)))
-    return on_objects[0](*args, **kwargs)
-
-  return autocast_fn
+  return for_nnx_objects(
+      fn, _autocast_function(fn, resolved, table, scopes, returns_state=False),
+      on_objects)
 
 
 def _check_arguments_unchanged(fn, arguments, treedef, leaves) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import inspect
 from typing import Any, Callable, Sequence
 
@@ -10,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp._src.frameworks import holds_nnx_objects
+from jaxmp._src.frameworks import for_nnx_objects
 from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.validation import jmp_loss_scale_fix
 
@@ -83,21 +82,13 @@ def scaled_value_and_grad(
       value_and_grad, fun, loss_scale, argnums=argnums, has_aux=has_aux,
       caller="scaled_value_and_grad",
       state_hint="With an optimizer state, pass jaxmp.get_loss_scale(opt_state).")
-  with_fp8_meta = []  # built on the first call with NNX objects
+  def with_fp8_meta():
+    # An NNX model's FP8 meta is differentiated too, and written back.
+    from jaxmp._src.flax import nnx as nnx_adapter  # pylint: disable=g-import-not-at-top
 
-  @functools.wraps(fun)
-  def scaled_value_and_grad_fn(*args, **kwargs):
-    if not holds_nnx_objects((args, kwargs)):
-      return grad_fn(*args, **kwargs)
-    if not with_fp8_meta:
-      # An NNX model's FP8 meta is differentiated too, and written back.
-      from jaxmp._src.flax import nnx as nnx_adapter  # pylint: disable=g-import-not-at-top
+    return nnx_adapter.with_fp8_meta(grad_fn, fun, loss_scale, argnums, has_aux)
 
-      with_fp8_meta.append(nnx_adapter.with_fp8_meta(
-          grad_fn, fun, loss_scale, argnums, has_aux))
-    return with_fp8_meta[0](*args, **kwargs)
-
-  return scaled_value_and_grad_fn
+  return for_nnx_objects(fun, grad_fn, with_fp8_meta)
 
 
 def _takes_argnums(value_and_grad: Callable[..., Any]) -> bool:
