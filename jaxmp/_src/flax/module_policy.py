@@ -15,7 +15,6 @@ import copy
 import dataclasses
 import functools
 import re
-import threading
 import warnings
 from typing import Any, Callable, Iterable, Mapping
 
@@ -42,14 +41,13 @@ from jaxmp._src.rules import (
 )
 from jaxmp._src.validation import listing
 
-# The policies of the Linen module methods now running, innermost last.
-_ACTIVE = threading.local()
+class _Running:
+  """The policies of the Linen module methods now running in one wrapped
+  call, innermost last: made per call and handed to its interceptor and its
+  parameters, so no state outlives the call or is shared between threads."""
 
-
-def _active_stack() -> list[Policy | None]:
-  if not hasattr(_ACTIVE, "stack"):
-    _ACTIVE.stack = []
-  return _ACTIVE.stack
+  def __init__(self):
+    self.policies: list[Policy | None] = []
 
 
 class _CastOnRead(struct.PyTreeNode, meta.AxisMetadata):
@@ -61,10 +59,11 @@ class _CastOnRead(struct.PyTreeNode, meta.AxisMetadata):
   """
 
   value: Any
+  running: _Running = struct.field(pytree_node=False)
 
   def unbox(self) -> Any:
     value = meta.unbox(self.value)
-    stack = _active_stack()
+    stack = self.running.policies
     policy = stack[-1] if stack else None
     if policy is None:
       return value
@@ -82,10 +81,10 @@ class _CastOnRead(struct.PyTreeNode, meta.AxisMetadata):
     return self
 
 
-def _box_params(params: Any) -> Any:
+def _box_params(params: Any, running: _Running) -> Any:
   def box(x):
     if isinstance(x, meta.AxisMetadata) or is_floating_array(x):
-      return _CastOnRead(x)
+      return _CastOnRead(x, running)
     return x
 
   return jax.tree_util.tree_map(
@@ -331,11 +330,11 @@ class ModulePolicy(RuleTablePolicy):
     scopes = {re.escape(tag): policy for policy, tag in self._scope_tags().items()}
     return tagged, scopes
 
-  def _intercept(self, defeated, next_fun, args, kwargs, context):
+  def _intercept(self, running, defeated, next_fun, args, kwargs, context):
     module = context.module
     scope = module.scope
     path = "/".join(scope.path) if scope is not None else ""
-    stack = _active_stack()
+    stack = running.policies
     outermost = not stack
     own = self.rule_for(module, module.name, path)
     if own is not None:
@@ -539,10 +538,11 @@ def _apply_under_modules(policy: ModulePolicy, apply_fn: Callable[..., Any],
   """``apply_fn(variables, *args, **kwargs)`` under the module policy."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
+  running = _Running()
   if isinstance(variables, Mapping) and "params" in variables:
-    variables = {**variables, "params": _box_params(variables["params"])}
+    variables = {**variables, "params": _box_params(variables["params"], running)}
   defeated: dict[str, str] = {}  # per call: under jit, once per trace
-  with nn.intercept_methods(functools.partial(policy._intercept, defeated)):  # pylint: disable=protected-access
+  with nn.intercept_methods(functools.partial(policy._intercept, running, defeated)):  # pylint: disable=protected-access
     result = apply_fn(variables, *args, **kwargs)
   if defeated:
     warnings.warn(
