@@ -575,11 +575,14 @@ def get_loss_scale(opt_state: Any) -> LossScale:
     >>> float(jaxmp.get_loss_scale(tx.init(jnp.ones(3))).loss_scale)
     8.0
   """
-  loss_scale = _find_state(opt_state, "get_loss_scale").loss_scale
-  # An NNX optimizer wraps each leaf in a Variable: hand back plain arrays.
+  return plain_loss_scale(_find_state(opt_state, "get_loss_scale"))
+
+
+def plain_loss_scale(state: LossScalingState) -> LossScale:
+  """The loss scale of ``state`` as plain arrays (an NNX optimizer wraps each
+  leaf of its state in a Variable)."""
   return jax.tree_util.tree_map(
-      jnp.asarray, loss_scale, is_leaf=lambda x: hasattr(x, "__jax_array__")
-  )
+      jnp.asarray, state.loss_scale, is_leaf=lambda x: hasattr(x, "__jax_array__"))
 
 
 def loss_scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:

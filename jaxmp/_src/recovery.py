@@ -21,7 +21,8 @@ import numpy as np
 from jaxmp._src.frameworks import holds_nnx_objects
 from jaxmp._src.inplace_select import check_same_structure
 from jaxmp._src.loss_scale import LossScale, NoOpLossScale, StaticLossScale
-from jaxmp._src.loss_scaling import _find_state, loss_scaling_states_with_path
+from jaxmp._src.loss_scaling import (
+    _find_state, loss_scaling_states_with_path, plain_loss_scale)
 from jaxmp._src.validation import check_number
 
 # A run that needs more backoffs than this in one step has a broken scale.
@@ -172,7 +173,7 @@ def _layout(state_with_objects: Any, pure: Any) -> _Layout:
   # The loss scale's leaves in its own order (NNX sorts them by name).
   scale = []
   for field_path, _ in jax.tree_util.tree_flatten_with_path(
-      _plain(found.loss_scale))[0]:
+      plain_loss_scale(found))[0]:
     [index] = under("loss_scale/" + _simple(field_path))
     scale.append(index)
   scale = tuple(scale)
@@ -398,19 +399,13 @@ def retry_skipped(
     pure = tree_of(pure)
     info = RecoveryInfo(
         loss_scale=jax.tree_util.tree_unflatten(
-            jax.tree_util.tree_structure(_plain(scaling.loss_scale)), scale),
+            jax.tree_util.tree_structure(plain_loss_scale(scaling)), scale),
         retries=retries, fell_back=fell_back, finite=finite)
     if nnx_objects:
       return write_back(pure), aux, info
     return pure, aux, info
 
   return recovering_step
-
-
-def _plain(loss_scale: LossScale) -> LossScale:
-  """The loss scale with plain arrays where NNX wraps its leaves in Variables."""
-  return jax.tree_util.tree_map(
-      jnp.asarray, loss_scale, is_leaf=lambda x: hasattr(x, "__jax_array__"))
 
 
 def _is_array(x: Any) -> bool:
