@@ -356,8 +356,11 @@ def train(
       lambda x: NamedSharding(mesh, fsdp_spec(x.shape, fsdp)), shapes
   )
   params = jax.jit(init, out_shardings=param_shardings)(jax.random.key(0))
-  # Moments sharded like the params, the loss-scale state replicated.
-  opt_shardings = jaxmp.opt_state_shardings(tx, params)
+  # Moments sharded like the params (optax finds the parameter-shaped parts
+  # of the state), the rest, with the loss scale, replicated.
+  opt_shardings = optax.tree_utils.tree_map_params(
+      tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params),
+      param_shardings, transform_non_params=lambda _: NamedSharding(mesh, P()))
   opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
 
   def loss_fn(params, tokens, targets, input_scale):

@@ -10,21 +10,17 @@ from jaxmp._src.autocast import autocast
 from jaxmp._src.autocast_rules import autocast_rules
 from jaxmp._src.checks import LossScaleAtMinimumError, check_loss_scale
 from jaxmp._src.deepspeed import from_deepspeed_config
-from jaxmp._src.default_loss_scale import default_loss_scale
 from jaxmp._src.diagnostics import (
     dtype_headroom,
-    finite_mask,
     grad_stats,
     nonfinite_paths,
-    report_nonfinite,
     suggest_loss_scale,
 )
 from jaxmp._src.fallback import (
     PrecisionFallback,
-    PrecisionSwitch,
     switch_precision,
 )
-from jaxmp._src.hardware import HardwareReport, hardware_report
+from jaxmp._src.hardware import hardware_report
 from jaxmp._src.loss_scale import (
     DynamicLossScale,
     LossScale,
@@ -51,12 +47,10 @@ from jaxmp._src.policy import (
     half_dtype,
 )
 from jaxmp._src.precision_audit import (
-    PrecisionOp,
     PrecisionReport,
     PrecisionWarning,
     precision_report,
 )
-from jaxmp._src.sharding import opt_state_shardings
 from jaxmp._src.recovery import RecoveryInfo, keep_on_skip, retry_skipped
 from jaxmp._src.torch_scaler import from_torch_grad_scaler
 from jaxmp._src.value_and_grad import scaled_value_and_grad
@@ -74,7 +68,6 @@ __all__ = [
     "cast_to_full",
     "cast_to_half",
     "hardware_report",
-    "HardwareReport",
     # Automatic mixed precision.
     "autocast",
     "autocast_rules",
@@ -83,7 +76,6 @@ __all__ = [
     "NoOpLossScale",
     "StaticLossScale",
     "DynamicLossScale",
-    "default_loss_scale",
     "all_finite",
     "select_tree",
     # The optax wrapper.
@@ -98,8 +90,6 @@ __all__ = [
     "check_loss_scale",
     "LossScaleAtMinimumError",
     "multi_steps",
-    # Distributed training.
-    "opt_state_shardings",
     # Migration.
     "from_deepspeed_config",
     "from_torch_grad_scaler",
@@ -108,17 +98,13 @@ __all__ = [
     "grad_stats",
     "dtype_headroom",
     "suggest_loss_scale",
-    "finite_mask",
-    "report_nonfinite",
     "LossScaleMonitor",
     # Falling back to a wider policy.
     "PrecisionFallback",
-    "PrecisionSwitch",
     "switch_precision",
     # The precision audit.
     "precision_report",
     "PrecisionReport",
-    "PrecisionOp",
     "PrecisionWarning",
 ]
 

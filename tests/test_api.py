@@ -12,34 +12,31 @@ import jaxmp
 PUBLIC = {
     # Policies.
     "Policy", "get_policy", "auto_policy", "half_dtype", "cast_to_full",
-    "cast_to_half", "hardware_report", "HardwareReport", "PathPolicy",
+    "cast_to_half", "hardware_report", "PathPolicy",
     "Fp8Policy",  # FP8 training (docs/fp8.md)
     # Automatic mixed precision.
     "autocast", "autocast_rules",
     # Loss scales.
     "LossScale", "NoOpLossScale", "StaticLossScale", "DynamicLossScale",
-    "default_loss_scale", "all_finite", "select_tree",
+    "all_finite", "select_tree",
     # The optax wrapper.
     "loss_scaling", "LossScalingState", "get_loss_scale", "loss_scaling_metrics",
     "scaled_value_and_grad", "check_loss_scale", "LossScaleAtMinimumError",
     "multi_steps", "RecoveryInfo", "keep_on_skip", "retry_skipped",
-    # Distributed training.
-    "opt_state_shardings",
     # Migration.
     "from_deepspeed_config", "from_torch_grad_scaler",
     # Diagnostics and monitoring.
     "nonfinite_paths", "grad_stats", "dtype_headroom", "suggest_loss_scale",
-    "finite_mask", "report_nonfinite", "LossScaleMonitor",
+    "LossScaleMonitor",
     # Falling back to a wider policy (docs/when-fp16-fails.md).
-    "PrecisionFallback", "PrecisionSwitch", "switch_precision",
+    "PrecisionFallback", "switch_precision",
     # The precision audit.
-    "precision_report", "PrecisionReport", "PrecisionOp", "PrecisionWarning",
+    "precision_report", "PrecisionReport", "PrecisionWarning",
 }
 
 FLAX_PUBLIC = {
     "TrainState", "ModulePolicy", "Fp8Meta",
-    "save_checkpoint", "restore_checkpoint", "loss_scale_config",
-    "find_overflowing_modules", "OverflowReport",
+    "save_checkpoint", "restore_checkpoint", "find_overflowing_modules",
 }
 
 

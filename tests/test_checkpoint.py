@@ -81,7 +81,7 @@ def test_train_state_resume_is_bit_identical(tmp_path):
   loss_scale = restored.loss_scale
   assert (loss_scale.period, loss_scale.hysteresis, loss_scale.min_loss_scale,
           loss_scale.max_loss_scale) == (3, 2, 2.0, 2.0**12)
-  assert jaxmp.flax.loss_scale_config(restored) == {
+  assert jaxmp.get_loss_scale(restored.opt_state).config() == {
       "type": "DynamicLossScale", "period": 3, "factor": 2.0,
       "min_loss_scale": 2.0, "backoff_factor": 0.5, "max_loss_scale": 4096.0,
       "hysteresis": 2, "consecutive_hysteresis": False}
@@ -171,4 +171,4 @@ def test_nnx_resume_is_bit_identical(tmp_path):
   chex.assert_trees_all_equal(
       nnx.to_pure_dict(nnx.state((new_model, new_optimizer))), reference)
   assert jaxmp.get_loss_scale(new_optimizer.opt_state).hysteresis == 2
-  assert jaxmp.flax.loss_scale_config(new_optimizer)["period"] == 3
+  assert jaxmp.get_loss_scale(new_optimizer.opt_state).period == 3

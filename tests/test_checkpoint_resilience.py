@@ -242,7 +242,7 @@ def test_loss_scale_configuration_and_state_survive(tmp_path):
     value = getattr(after, field)
     assert value.dtype == getattr(before, field).dtype and value.shape == ()
     assert value == getattr(before, field), field
-  assert jaxmp.flax.loss_scale_config(restored) == jaxmp.flax.loss_scale_config(state)
+  assert restored.loss_scale.config() == state.loss_scale.config()
   chex.assert_trees_all_equal(restored.metrics, state.metrics)
   # The overflows at the minimum survive: the host-side check still stops.
   with pytest.raises(jaxmp.LossScaleAtMinimumError, match="minimum \\(0.5\\)"):

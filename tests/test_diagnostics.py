@@ -1,6 +1,5 @@
 """Tests of the diagnostics: exact values on hand-built trees, jit and not."""
 
-import logging
 
 import chex
 import jax
@@ -38,72 +37,6 @@ def test_nonfinite_paths_numpy_python_and_nested_objects():
   tree = (np.array([1.0, -np.inf]), 2.0, NAN, "text", None, optax.EmptyState())
   assert jaxmp.nonfinite_paths(tree) == ["[0]", "[2]"]
   assert jaxmp.nonfinite_paths({}) == []
-
-
-# finite_mask and report_nonfinite
-
-
-class FiniteMaskTest(chex.TestCase):
-
-  @chex.variants(with_jit=True, without_jit=True)
-  def test_finite_mask(self):
-    tree = _tree()
-    tree["dense"]["kernel"] = tree["dense"]["kernel"].at[0, 0].set(NAN)
-    mask = self.variant(jaxmp.finite_mask)(tree)
-    self.assertEqual(jax.tree_util.tree_structure(mask),
-                     jax.tree_util.tree_structure(tree))
-    flat = {jax.tree_util.keystr(p): bool(v)
-            for p, v in jax.tree_util.tree_leaves_with_path(mask)}
-    self.assertEqual(flat, {"['count']": True, "['dense']['bias']": True,
-                            "['dense']['kernel']": False, "['embed'][0]": True})
-
-
-class ReportTest(chex.TestCase):
-
-  @chex.variants(with_jit=True, without_jit=True)
-  def test_report_only_on_bad_steps(self):
-    seen = []
-
-    def check(grads, step):
-      return jaxmp.report_nonfinite(
-          grads, step=step, callback=lambda paths, s: seen.append((s, paths)))
-
-    check = self.variant(check)
-    good = _tree()
-    bad = _tree()
-    bad["embed"][0] = jnp.array([INF], jnp.bfloat16)
-    bad["dense"]["kernel"] = bad["dense"]["kernel"] * NAN
-    self.assertTrue(bool(check(good, 1)))
-    self.assertFalse(bool(check(bad, 2)))
-    self.assertTrue(bool(check(good, 3)))
-    jax.effects_barrier()
-    self.assertEqual(seen, [(2, ["['dense']['kernel']", "['embed'][0]"])])
-
-
-def test_report_default_logs_a_warning(caplog):
-  with caplog.at_level(logging.WARNING, logger="jaxmp"):
-    finite = jax.jit(jaxmp.report_nonfinite)({"w": jnp.array([INF])})
-    jax.effects_barrier()
-  assert not bool(finite)
-  assert "non-finite values in 1 leaf/leaves: ['w']" in caplog.text
-
-
-def test_report_without_step_and_empty_tree():
-  seen = []
-  jaxmp.report_nonfinite([jnp.array(NAN)], callback=lambda p, s: seen.append((s, p)))
-  jax.effects_barrier()
-  assert seen == [(None, ["[0]"])]
-  assert bool(jaxmp.report_nonfinite({}))
-
-
-def test_report_does_not_retrace():
-  @jax.jit
-  @chex.assert_max_traces(n=1)
-  def step(grads):
-    return jaxmp.report_nonfinite(grads, callback=lambda p, s: None)
-
-  step({"w": jnp.ones(2)})
-  step({"w": jnp.array([1.0, INF])})
 
 
 # grad_stats
@@ -249,7 +182,8 @@ def test_mask_in_metrics_of_a_training_step():
     _, grads = jaxmp.scaled_value_and_grad(loss_fn, scale)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     metrics = {**jaxmp.loss_scaling_metrics(opt_state),
-               "finite": jaxmp.finite_mask(grads), **jaxmp.grad_stats(grads)}
+               "finite": jax.tree.map(lambda g: jnp.isfinite(g).all(), grads),
+               **jaxmp.grad_stats(grads)}
     return optax.apply_updates(params, updates), opt_state, metrics
 
   opt_state = tx.init(params)

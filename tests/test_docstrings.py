@@ -19,7 +19,6 @@ import api_coverage  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-imp
 NO_EXAMPLE_NEEDED = {
     "jaxmp.LossScale",
     "jaxmp.LossScalingState",
-    "jaxmp.HardwareReport",
     "jaxmp.LossScaleAtMinimumError",
 }
 

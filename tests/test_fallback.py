@@ -183,7 +183,7 @@ def test_the_controller_switches_on_overflows_at_the_minimum_scale(caplog):
       policies.append(str(policy))
   # 4 -> 2 -> 1, then the third overflow finds the scale at its floor.
   assert policies == ["p=f32,c=f16,o=f32"] * 2 + ["p=f32,c=f32,o=f32"] * 4
-  assert fallback.events == [jaxmp.PrecisionSwitch(
+  assert [event._asdict() for event in fallback.events] == [dict(
       step=3, reason="1 overflow(s) at the minimum loss scale 1",
       old_policy="p=f32,c=f16,o=f32", new_policy="p=f32,c=f32,o=f32")]
   assert fallback.policy == jaxmp.get_policy("float32") and fallback.rung == 1

@@ -2,8 +2,8 @@
 
 * Large inputs and no normalisation make float16 activations overflow in the
   forward pass: the step must be skipped (parameters and optimizer state
-  bit-identical) and reported (metrics, ``nonfinite_paths``,
-  ``report_nonfinite``).
+  bit-identical) and reported (metrics, and ``nonfinite_paths`` from a
+  callback that runs only on the non-finite step).
 * A loss of small magnitude makes float16 gradients underflow to zero without
   scaling: the fraction of zero gradients is measured with and without a loss
   scale, and scaling rescues them.
@@ -80,8 +80,9 @@ def test_forward_overflow_is_skipped_and_reported():
   def train_step(params, opt_state, step):
     loss_scale = jaxmp.get_loss_scale(opt_state)
     loss, grads = jaxmp.scaled_value_and_grad(mse, loss_scale)(params, x, y, MIXED)
-    jaxmp.report_nonfinite(
-        grads, step=step, callback=lambda paths, s: reports.append((s, paths)))
+    report = lambda g, s: reports.append((int(s), jaxmp.nonfinite_paths(g)))
+    jax.lax.cond(jaxmp.all_finite(grads), lambda g, s: None,
+                 lambda g, s: jax.debug.callback(report, g, s), grads, step)
     updates, opt_state = tx.update(grads, opt_state, params)
     return (optax.apply_updates(params, updates), opt_state, loss, grads,
             jaxmp.loss_scaling_metrics(opt_state))

@@ -98,10 +98,19 @@ def _named(mesh, specs):
   return jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), specs)
 
 
+def _opt_state_shardings(tx, params, param_shardings, replicated):
+  """The documented recipe: moments like the params, the rest replicated."""
+  return optax.tree_utils.tree_map_params(
+      tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params),
+      param_shardings, transform_non_params=lambda _: replicated,
+      is_leaf=lambda x: isinstance(x, P))
+
+
 def _sharded_setup(mesh, tx):
   param_shardings = _named(mesh, PARAM_SPECS)
   params = jax.device_put(_init_params(), param_shardings)
-  opt_shardings = jaxmp.opt_state_shardings(tx, params)
+  opt_shardings = _opt_state_shardings(tx, params, param_shardings,
+                                       NamedSharding(mesh, P()))
   opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
   return params, opt_state, param_shardings, opt_shardings
 
@@ -134,10 +143,12 @@ def _per_device_values(x):
   return [np.asarray(shard.data) for shard in x.addressable_shards]
 
 
-# --- opt_state_shardings ------------------------------------------------------
+# --- optimizer-state shardings (optax.tree_utils.tree_map_params) ---------
 
 
-def test_opt_state_shardings_moments_follow_params_rest_replicated(mesh):
+def test_the_loss_scaling_state_is_found_by_tree_map_params(mesh):
+  # optax finds the moments inside jaxmp.loss_scaling; the rest, the loss
+  # scale with it, is replicated.
   tx = _make_tx()
   params, opt_state, param_shardings, _ = _sharded_setup(mesh, tx)
   adam_state = opt_state.inner_state[0]
@@ -151,32 +162,6 @@ def test_opt_state_shardings_moments_follow_params_rest_replicated(mesh):
   for leaf in scalars:
     assert leaf.sharding == replicated
     assert leaf.sharding.is_fully_replicated
-
-
-def test_opt_state_shardings_with_partition_specs_and_multisteps():
-  tx = optax.MultiSteps(_make_tx(), every_k_schedule=2)
-  params = _init_params()
-  specs = jaxmp.opt_state_shardings(tx, params, PARAM_SPECS)
-  assert specs.acc_grads == PARAM_SPECS
-  assert specs.inner_opt_state.inner_state[0].mu == PARAM_SPECS
-  assert specs.mini_step == P()
-  assert specs.inner_opt_state.loss_scale.loss_scale == P()
-  assert jax.tree_util.tree_structure(
-      specs, is_leaf=lambda x: isinstance(x, P)
-  ) == jax.tree_util.tree_structure(jax.eval_shape(tx.init, params))
-
-
-def test_opt_state_shardings_with_an_explicit_replicated():
-  # (Without replicated=, single-device shardings are refused: see the
-  # bad-input catalogue.)
-  tx = _make_tx()
-  params = _init_params()
-  single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  explicit = jaxmp.opt_state_shardings(
-      tx, params, jax.tree_util.tree_map(lambda _: single, params),
-      replicated=single,
-  )
-  assert explicit.skipped_steps == single
 
 
 def test_dynamic_loss_scale_keeps_none_leaves_when_rebuilt():
@@ -331,7 +316,7 @@ def test_gspmd_matches_single_device_over_20_steps(mesh):
 def _shard_map_update(mesh, axis_name):
   """An update inside shard_map where every device holds one gradient shard."""
   tx = _make_tx(axis_name)
-  opt_specs = jaxmp.opt_state_shardings(tx, _init_params(), PARAM_SPECS)
+  opt_specs = _opt_state_shardings(tx, _init_params(), PARAM_SPECS, P())
   per_device = P(AXES)
 
   def body(grads, opt_state, params):
@@ -391,7 +376,7 @@ def test_shard_map_refuses_replicated_state_without_axis_name(mesh):
   # With shard_map's default check_vma=True, returning the loss-scale state as
   # replicated (P()) without axis_name is an error at trace time.
   tx = _make_tx()
-  opt_specs = jaxmp.opt_state_shardings(tx, _init_params(), PARAM_SPECS)
+  opt_specs = _opt_state_shardings(tx, _init_params(), PARAM_SPECS, P())
   params, opt_state, grads = _shard_map_inputs(mesh, tx, opt_specs)
   update = jax.jit(jax.shard_map(
       lambda g, s, p: tx.update(g, s, p), mesh=mesh,

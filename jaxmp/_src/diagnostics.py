@@ -1,25 +1,23 @@
 """Diagnostics: which leaves overflowed, gradient statistics, dtype headroom.
 
-:func:`nonfinite_paths` is host-side. :func:`grad_stats`,
-:func:`dtype_headroom`, :func:`suggest_loss_scale`, :func:`finite_mask` and
-:func:`report_nonfinite` work inside ``jit``. Paths are written as
+:func:`nonfinite_paths` is host-side (inside ``jit``, call it from a
+``jax.debug.callback`` in the non-finite branch of a ``lax.cond``, so that
+good steps transfer nothing). :func:`grad_stats`, :func:`dtype_headroom` and
+:func:`suggest_loss_scale` work inside ``jit``. Paths are written as
 ``jax.tree_util.keystr`` writes them, e.g. ``['dense']['kernel']``.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp._src.loss_scale import at_least_float32, leaf_finite_flags
+from jaxmp._src.loss_scale import at_least_float32
 from jaxmp._src.policy import floating_dtype, is_floating_array
-
-_logger = logging.getLogger("jaxmp")
 
 
 def _is_inexact(x: Any) -> bool:
@@ -42,9 +40,11 @@ def _wide(x: jax.Array) -> jax.Array:
 def nonfinite_paths(tree: Any) -> list[str]:
   """Returns the paths of the leaves of ``tree`` that hold inf or nan.
 
-  Host-side: it reads every floating leaf from the device, so call it outside
-  ``jit`` (e.g. on a batch or on gradients kept from a skipped step). Integer,
-  boolean and non-array leaves are never reported.
+  Host-side: it reads every floating leaf from the device. Call it outside
+  ``jit`` (on a batch, or on gradients kept from a skipped step), or inside a
+  jitted step from a ``jax.debug.callback`` in the non-finite branch of a
+  ``lax.cond``, so that only a step with inf or nan transfers anything (second
+  example). Integer, boolean and non-array leaves are never reported.
 
   Args:
     tree: a pytree.
@@ -58,6 +58,15 @@ def nonfinite_paths(tree: Any) -> list[str]:
     ...          "norm": {"scale": jnp.array([jnp.nan])}}
     >>> jaxmp.nonfinite_paths(grads)
     ["['dense']['kernel']", "['norm']['scale']"]
+    >>> import jax
+    >>> seen = []
+    >>> @jax.jit
+    ... def check(grads):
+    ...   report = lambda g: seen.append(jaxmp.nonfinite_paths(g))
+    ...   jax.lax.cond(jaxmp.all_finite(grads), lambda g: None,
+    ...                lambda g: jax.debug.callback(report, g), grads)
+    >>> check({"w": jnp.ones(2)}); check(grads); jax.effects_barrier(); seen
+    [["['dense']['kernel']", "['norm']['scale']"]]
   """
   paths = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
@@ -67,106 +76,6 @@ def nonfinite_paths(tree: Any) -> list[str]:
     if not np.all(np.isfinite(value)):
       paths.append(jax.tree_util.keystr(path))
   return paths
-
-
-def finite_mask(tree: Any) -> Any:
-  """Returns a pytree of scalar bools: whether each leaf is free of inf and nan.
-
-  Jit-safe and cheap (one reduction per leaf, no host transfer): put it in
-  the metrics a training step returns, and read it on the host only when a
-  step was skipped. Non-floating leaves are reported as finite.
-
-  Args:
-    tree: a pytree, e.g. the gradients.
-
-  Returns:
-    A pytree of the structure of ``tree`` with a scalar bool array per leaf.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, jaxmp
-    >>> mask = jax.jit(jaxmp.finite_mask)({"a": jnp.ones(2), "b": jnp.array([jnp.nan])})
-    >>> [jax.tree_util.keystr(path)
-    ...  for path, ok in jax.tree_util.tree_leaves_with_path(mask) if not ok]
-    ["['b']"]
-  """
-
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  flags = [jnp.ones([], jnp.bool_)] * len(leaves)
-  inexact = [i for i, x in enumerate(leaves) if _is_inexact(x)]
-  for i, flag in zip(inexact, leaf_finite_flags([leaves[i] for i in inexact])):
-    flags[i] = flag
-  return jax.tree_util.tree_unflatten(treedef, flags)
-
-
-def _log_nonfinite(paths: list[str], step: int | None) -> None:
-  where = "" if step is None else f" at step {step}"
-  _logger.warning(
-      "jaxmp: non-finite values%s in %d leaf/leaves: %s",
-      where, len(paths), ", ".join(paths),
-  )
-
-
-def report_nonfinite(
-    tree: Any,
-    *,
-    step: Any = None,
-    callback: Callable[[list[str], int | None], None] | None = None,
-) -> jax.Array:
-  """Reports the leaves that hold inf or nan, only when there are any; jit-safe.
-
-  Computes one finiteness flag per leaf on the device. A
-  ``jax.debug.callback`` placed in the non-finite branch of a ``lax.cond``
-  sends the flags to the host only on a step with inf or nan; good steps
-  transfer nothing. (On GPU, a ``lax.cond`` reads its scalar predicate on the
-  host; :func:`finite_mask` in the metrics avoids even that.)
-
-  Args:
-    tree: a pytree, e.g. the gradients.
-    step: optional step number (an int array under ``jit``), passed on to the
-      report.
-    callback: called on the host as ``callback(paths, step)``, with the
-      ``jax.tree_util.keystr`` paths of the non-finite leaves and the step (or
-      ``None``). Default: a warning on the ``"jaxmp"`` logger.
-
-  Returns:
-    A scalar bool array: whether the whole tree is finite.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, jaxmp
-    >>> seen = []
-    >>> @jax.jit
-    ... def check(grads, step):
-    ...   return jaxmp.report_nonfinite(
-    ...       grads, step=step, callback=lambda paths, s: seen.append((s, paths)))
-    >>> bool(check({"w": jnp.ones(2), "b": jnp.zeros(1)}, 1))
-    True
-    >>> bool(check({"w": jnp.array([1.0, jnp.inf]), "b": jnp.zeros(1)}, 2))
-    False
-    >>> jax.effects_barrier(); seen
-    [(2, ["['w']"])]
-  """
-  report = _log_nonfinite if callback is None else callback
-  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-  paths = [jax.tree_util.keystr(path) for path, _ in leaves]
-  if not leaves:
-    return jnp.ones([], jnp.bool_)
-  flags = jnp.stack(jax.tree_util.tree_leaves(finite_mask([x for _, x in leaves])))
-  finite = jnp.all(flags)
-  has_step = step is not None
-  step_value = jnp.asarray(step if has_step else 0, jnp.int32)
-
-  def on_host(flags, step_value):
-    bad = [p for p, ok in zip(paths, np.asarray(flags)) if not ok]
-    report(bad, int(step_value) if has_step else None)
-
-  jax.lax.cond(
-      finite,
-      lambda flags, step_value: None,
-      lambda flags, step_value: jax.debug.callback(on_host, flags, step_value),
-      flags,
-      step_value,
-  )
-  return finite
 
 
 def grad_stats(tree: Any) -> dict[str, jax.Array]:

@@ -50,6 +50,9 @@ _ON_FAILURE = ("switch", "raise")
 class PrecisionSwitch(NamedTuple):
   """One switch of a run's policy, as :class:`PrecisionFallback` records it.
 
+  ``PrecisionFallback.events`` is a list of them (a ``NamedTuple``: compare or
+  read fields, ``event._asdict()`` for a log line).
+
   Attributes:
     step: the step at which the run switched (the number of updates done).
     reason: why, e.g. ``"3 overflow(s) at the minimum loss scale 1"``.
@@ -57,8 +60,8 @@ class PrecisionSwitch(NamedTuple):
     new_policy: the policy after.
 
   Example:
-    >>> import jaxmp
-    >>> event = jaxmp.PrecisionSwitch(
+    >>> from jaxmp._src.fallback import PrecisionSwitch
+    >>> event = PrecisionSwitch(
     ...     step=120, reason="1 overflow(s) at the minimum loss scale 1",
     ...     old_policy="p=f32,c=f16,o=f32", new_policy="p=f32,c=f32,o=f32")
     >>> event.step, event._asdict()["new_policy"]
@@ -318,7 +321,7 @@ class PrecisionFallback:
     max_overflows_at_min: how many overflows at the minimum scale to
       tolerate (as in :func:`jaxmp.check_loss_scale`).
     on_failure: ``"switch"`` to move to the next rung, ``"raise"`` to raise.
-    hardware: the :class:`jaxmp.HardwareReport` the bfloat16 rungs are
+    hardware: the :func:`jaxmp.hardware_report` the bfloat16 rungs are
       checked against; default :func:`jaxmp.hardware_report`.
 
   Raises:
@@ -366,8 +369,8 @@ class PrecisionFallback:
       hardware = hardware_report()
     elif not isinstance(hardware, HardwareReport):
       raise TypeError(
-          f"{owner}: hardware must be a jaxmp.HardwareReport (from "
-          f"jaxmp.hardware_report()) or None; got {hardware!r}."
+          f"{owner}: hardware must be what jaxmp.hardware_report() returns, "
+          f"or None; got {hardware!r}."
       )
     self.every = check_number(owner, "every", every, integer=True, minimum=1)
     self.window = check_number(owner, "window", window, integer=True, minimum=1)
@@ -510,7 +513,7 @@ class PrecisionFallback:
 
     The same switch as :meth:`update`'s, for a policy of your choice: e.g.
     the :class:`jaxmp.flax.ModulePolicy` that
-    :meth:`jaxmp.flax.OverflowReport.propose_policy` proposes, which keeps
+    ``find_overflowing_modules(...).propose_policy`` proposes, which keeps
     the modules that overflow in float32 (the loss scale stays dynamic, since
     float16 remains). A policy of the ladder becomes the current rung; any
     other is a step between the current rung and the next.
@@ -583,7 +586,7 @@ class PrecisionFallback:
       TypeError: if ``state`` is not a dict, or a value is of the wrong kind.
       ValueError: if ``state`` lacks a key of :meth:`state_dict`'s, its rung
         is not one of the ladder's, an event is not a
-        :class:`jaxmp.PrecisionSwitch`'s fields, or the saved ladder differs
+        a :class:`PrecisionSwitch`'s fields, or the saved ladder differs
         from this controller's.
     """
     owner = "PrecisionFallback.load_state_dict"
@@ -614,7 +617,7 @@ class PrecisionFallback:
       if not isinstance(event, Mapping) or set(event) != fields:
         raise ValueError(
             f"{owner}: the event {event!r} is not a dict with the fields of a "
-            f"jaxmp.PrecisionSwitch ({', '.join(PrecisionSwitch._fields)}). {fix}")
+            f"PrecisionFallback.events entry ({', '.join(PrecisionSwitch._fields)}). {fix}")
     self.rung = rung
     self.policy = as_policy(state["policy"])
     self._overflows_at_min_base = base

@@ -13,18 +13,14 @@
   loss scale's configuration on resume (and follow a precision switch of
   :class:`jaxmp.PrecisionFallback`).
 * :func:`find_overflowing_modules` finds the modules whose outputs overflow;
-  its :class:`OverflowReport` proposes a :class:`ModulePolicy` that keeps just
+  its report's ``propose_policy`` proposes a :class:`ModulePolicy` that keeps just
   those in float32.
 """
 
-from jaxmp._src.flax.checkpoint import (
-    loss_scale_config,
-    restore_checkpoint,
-    save_checkpoint,
-)
+from jaxmp._src.flax.checkpoint import restore_checkpoint, save_checkpoint
 from jaxmp._src.flax.fp8_nnx import Fp8Meta
 from jaxmp._src.flax.module_policy import ModulePolicy
-from jaxmp._src.flax.promotion import OverflowReport, find_overflowing_modules
+from jaxmp._src.flax.promotion import find_overflowing_modules
 from jaxmp._src.flax.train_state import TrainState
 
 __all__ = [
@@ -33,7 +29,5 @@ __all__ = [
     "Fp8Meta",
     "save_checkpoint",
     "restore_checkpoint",
-    "loss_scale_config",
     "find_overflowing_modules",
-    "OverflowReport",
 ]

@@ -74,12 +74,6 @@ def loss_scale_config(target: Any) -> dict[str, Any]:
 
   Raises:
     ValueError: if ``target`` holds more than one loss-scaling state.
-
-  Example:
-    >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
-    >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(period=7))
-    >>> jaxmp.flax.loss_scale_config(tx.init(jnp.ones(2)))["period"]
-    7
   """
   if isinstance(target, LossScale):
     scales = [target]

@@ -77,9 +77,9 @@ class OverflowReport:
       every module before it non-finite too, so this is the wider list.
 
   Example:
-    >>> import jaxmp, jaxmp.flax
-    >>> report = jaxmp.flax.OverflowReport(modules=("head",), calls=(),
-    ...                                    inputs_finite=True)
+    >>> from jaxmp._src.flax.promotion import OverflowReport
+    >>> report = OverflowReport(modules=("head",), calls=(),
+    ...                          inputs_finite=True)
     >>> print(report)
     inf or nan first produced by 'head'
     >>> print(report.propose_policy("mixed_float16"))
