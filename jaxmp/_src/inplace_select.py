@@ -114,11 +114,6 @@ def _keeps_manual_axes(jaxpr: Any, leaves: Sequence[Any]) -> bool:
              for var, x in zip(jaxpr.invars, leaves))
 
 
-def _read(env: dict[Any, Any], atom: Any) -> Any:
-  """The value of a jaxpr atom: a literal's constant, or a variable's value."""
-  return atom.val if jaxprs.is_literal(atom) else env[atom]
-
-
 def _is_traced(tree: Any) -> bool:
   return any(
       isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree)
@@ -247,18 +242,13 @@ def _evaluate_with_select(closed: Any, finite: jax.Array, inputs: Any,
   def select(value, old):
     return jnp.where(finite, value, old)
 
-  env: dict[Any, Any] = {}
-  env.update(zip(jaxpr.constvars, closed.consts))
-  env.update(zip(jaxpr.invars, jax.tree_util.tree_leaves((grads, state, params))))
-  for eqn in jaxpr.eqns:
-    with jaxprs.equation_context(eqn):
-      outs = jaxprs.bind(eqn, [_read(env, var) for var in eqn.invars])
-    for var, value in zip(eqn.outvars, outs):
-      if jaxprs.is_var(var) and var in select_at:
-        value = select(value, select_at[var])
-      env[var] = value
+  def rule(eqn, invals, name_stack):
+    outs = jaxprs.bind_rule(eqn, invals, name_stack)
+    return [select(value, select_at[var]) if var in select_at else value
+            for var, value in zip(eqn.outvars, outs)]
 
-  outs = [_read(env, var) for var in jaxpr.outvars]
+  outs = jaxprs.evaluate(jaxpr, closed.consts,
+                         jax.tree_util.tree_leaves((grads, state, params)), rule)
   new_leaves = [
       value if jaxprs.is_var(var) and var in select_at else select(value, old)
       for var, value, old in zip(state_vars, outs[n_updates:], old_leaves)
