@@ -90,15 +90,6 @@ def _is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
 
 
-def _scope_names(name_stack: Any) -> tuple[str, ...]:
-  """The ``jax.named_scope`` names of a name stack (transforms left out)."""
-  return tuple(
-      item.name
-      for item in getattr(name_stack, "stack", ())
-      if type(item).__name__ == "Scope"
-  )
-
-
 def _resolve_policy(policy: Any) -> Policy:
   if policy is None:
     raise TypeError(
@@ -269,41 +260,27 @@ class _Evaluator:
 
   # -- Programs ----------------------------------------------------------------
 
-  def run(self, jaxpr, consts, args, const_flexible, arg_flexible, prefix):
-    """Evaluates ``jaxpr``; returns its outputs and their flexibility."""
-    env: dict[Any, Any] = {}
-    flexible: dict[Any, bool] = {}
-
-    def read(atom):
-      if jaxprs.is_literal(atom):
-        return self.constant(atom.val), True
-      return env[atom], flexible[atom]
-
-    def write(var, value, is_flexible):
-      if jaxprs.is_dropped(var):
-        return
-      env[var] = value
-      flexible[var] = is_flexible
-
-    for var, value, f in zip(jaxpr.constvars, consts, const_flexible):
-      write(var, self.constant(value), f)
-    for var, value, f in zip(jaxpr.invars, args, arg_flexible):
-      write(var, value, f)
+  def run(self, jaxpr, consts, args, const_flexible, arg_flexible, stack):
+    """Evaluates ``jaxpr`` under the name stack ``stack``; returns its outputs
+    and their flexibility."""
     shifts = self._shifts_before_exp(jaxpr)
-    for eqn in jaxpr.eqns:
-      values, flags = zip(*map(read, eqn.invars)) if eqn.invars else ((), ())
-      scopes = prefix + _scope_names(eqn.source_info.name_stack)
+
+    def rule(eqn, ins, eqn_stack):
+      values, flags = zip(*ins) if ins else ((), ())
       with jaxprs.equation_context(eqn):
-        outs, out_flags = self.eqn(eqn, list(values), list(flags), scopes, shifts)
-      for var, value, f in zip(eqn.outvars, outs, out_flags):
-        write(var, value, f)
-    outs = [read(atom) for atom in jaxpr.outvars]
+        outs, out_flags = self.eqn(eqn, list(values), list(flags), eqn_stack, shifts)
+      return list(zip(outs, out_flags))
+
+    outs = jaxprs.evaluate(
+        jaxpr, [(self.constant(c), f) for c, f in zip(consts, const_flexible)],
+        list(zip(args, arg_flexible)), rule,
+        literal=lambda value: (self.constant(value), True), name_stack=stack)
     return [v for v, _ in outs], [f for _, f in outs]
 
-  def run_closed(self, closed, args, flags, prefix):
+  def run_closed(self, closed, args, flags, stack):
     return self.run(
         closed.jaxpr, closed.consts, args, [True] * len(closed.consts), flags,
-        prefix,
+        stack,
     )
 
   def _shifts_before_exp(self, jaxpr) -> dict[Any, str]:
@@ -338,11 +315,11 @@ class _Evaluator:
 
   # -- One equation --------------------------------------------------------------
 
-  def eqn(self, eqn, values, flags, scopes, shifts):
+  def eqn(self, eqn, values, flags, stack, shifts):
     name = eqn.primitive.name
     handler = _STRUCTURAL_HANDLERS.get(name)
     if handler is not None:
-      return handler(self, eqn, values, flags, scopes)
+      return handler(self, eqn, values, flags, stack)
     kind = shifts.get(id(eqn)) or self.table.get(name)
     if kind is None:
       has_program = bool(jaxprs.inner_jaxprs(eqn.params))
@@ -355,7 +332,7 @@ class _Evaluator:
       # hold for half-precision values too (a float16 sum is a float32 sum),
       # so the value stays float32, as PyTorch's autocast returns it.
       return [values[0]], [False]
-    policy, pinned = self.scopes(scopes)
+    policy, pinned = self.scopes(jaxprs.name_parts(stack)[0])
     return self.apply(kind, eqn, values, flags, policy, pinned)
 
   def apply(self, kind, eqn, values, flags, policy, pinned):
@@ -471,16 +448,16 @@ class _Evaluator:
 # -- Programs inside programs ------------------------------------------------------
 
 
-def _inline(evaluator, eqn, values, flags, scopes):
+def _inline(evaluator, eqn, values, flags, stack):
   """``jit`` and ``closed_call``: evaluated in place, shardings kept."""
   closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
   in_shardings = eqn.params.get("in_shardings", ())
   out_shardings = eqn.params.get("out_shardings", ())
   values = _constrain(values, in_shardings)
   if jaxprs.is_closed(closed):
-    outs, out_flags = evaluator.run_closed(closed, values, flags, scopes)
+    outs, out_flags = evaluator.run_closed(closed, values, flags, stack)
   else:
-    outs, out_flags = evaluator.run(closed, [], values, [], flags, scopes)
+    outs, out_flags = evaluator.run(closed, [], values, [], flags, stack)
   return _constrain(outs, out_shardings), out_flags
 
 
@@ -494,13 +471,13 @@ def _constrain(values, shardings):
   ]
 
 
-def _checkpoint(evaluator, eqn, values, flags, scopes):
+def _checkpoint(evaluator, eqn, values, flags, stack):
   """``jax.checkpoint``: the body is evaluated under a new checkpoint."""
   jaxpr = eqn.params["jaxpr"]
   seen = {}
 
   def body(*args):
-    outs, seen["flags"] = evaluator.child().run(jaxpr, [], args, [], flags, scopes)
+    outs, seen["flags"] = evaluator.child().run(jaxpr, [], args, [], flags, stack)
     return outs
 
   outs = jax.checkpoint(
@@ -555,7 +532,7 @@ def _shape_dtype(values, dtypes):
   return [jax.ShapeDtypeStruct(jnp.shape(v), d) for v, d in zip(values, dtypes)]
 
 
-def _scan(evaluator, eqn, values, flags, scopes):
+def _scan(evaluator, eqn, values, flags, stack):
   p = eqn.params
   n_consts, n_carry = p["num_consts"], p["num_carry"]
   consts, init, xs = _split(values, n_consts, n_carry)
@@ -566,7 +543,7 @@ def _scan(evaluator, eqn, values, flags, scopes):
     def body(carry, x):
       inner = evaluator.child()
       outs, out_flags = inner.run_closed(
-          closed, [*consts, *carry, *x], [*c_flags, *carry_flags, *x_flags], scopes
+          closed, [*consts, *carry, *x], [*c_flags, *carry_flags, *x_flags], stack
       )
       record["flags"] = out_flags
       new_carry = outs[:n_carry]
@@ -595,7 +572,7 @@ def _scan(evaluator, eqn, values, flags, scopes):
   return [*carry, *ys], [*carry_flags, *([False] * len(ys))]
 
 
-def _while(evaluator, eqn, values, flags, scopes):
+def _while(evaluator, eqn, values, flags, stack):
   p = eqn.params
   n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
   cond_consts, body_consts, init = _split(values, n_cond, n_body)
@@ -605,7 +582,7 @@ def _while(evaluator, eqn, values, flags, scopes):
     def body(carry):
       inner = evaluator.child()
       outs, out_flags = inner.run_closed(
-          p["body_jaxpr"], [*body_consts, *carry], [*bc_flags, *carry_flags], scopes
+          p["body_jaxpr"], [*body_consts, *carry], [*bc_flags, *carry_flags], stack
       )
       record["flags"] = out_flags
       return outs if carry_dtypes is None else _cast_all(inner, outs, carry_dtypes)
@@ -614,7 +591,7 @@ def _while(evaluator, eqn, values, flags, scopes):
   def make_cond(carry_flags):
     def cond(carry):
       outs, _ = evaluator.child().run_closed(
-          p["cond_jaxpr"], [*cond_consts, *carry], [*cc_flags, *carry_flags], scopes
+          p["cond_jaxpr"], [*cond_consts, *carry], [*cc_flags, *carry_flags], stack
       )
       return outs[0]
     return cond
@@ -635,7 +612,7 @@ def _while(evaluator, eqn, values, flags, scopes):
   return list(outs), carry_flags
 
 
-def _cond(evaluator, eqn, values, flags, scopes):
+def _cond(evaluator, eqn, values, flags, stack):
   index, operands = values[0], values[1:]
   op_flags = flags[1:]
   branches = eqn.params["branches"]
@@ -643,7 +620,7 @@ def _cond(evaluator, eqn, values, flags, scopes):
   def make_branch(closed, out_dtypes, record):
     def branch(*args):
       inner = evaluator.child()
-      outs, out_flags = inner.run_closed(closed, list(args), op_flags, scopes)
+      outs, out_flags = inner.run_closed(closed, list(args), op_flags, stack)
       record.append(out_flags)
       return outs if out_dtypes is None else _cast_all(inner, outs, out_dtypes)
     return branch
@@ -664,7 +641,7 @@ def _cond(evaluator, eqn, values, flags, scopes):
   return list(outs), out_flags
 
 
-def _custom_jvp(evaluator, eqn, values, flags, scopes):
+def _custom_jvp(evaluator, eqn, values, flags, stack):
   """A ``custom_jvp`` function: its primal and its JVP rule both follow the table."""
   p = eqn.params
   n_consts = p["num_consts"]
@@ -676,7 +653,7 @@ def _custom_jvp(evaluator, eqn, values, flags, scopes):
 
   def primal_fn(*xs):
     outs, record["flags"] = evaluator.child().run_closed(
-        closed, [*consts, *xs], [*c_flags, *p_flags], scopes
+        closed, [*consts, *xs], [*c_flags, *p_flags], stack
     )
     return outs
 
@@ -691,7 +668,7 @@ def _custom_jvp(evaluator, eqn, values, flags, scopes):
     outs, _ = inner.run(
         jvp_jaxpr, jvp_consts, [*primals_in, *tangents_in],
         [True] * len(jvp_consts), [*p_flags, *([False] * len(tangents_in))],
-        scopes,
+        stack,
     )
     n_out = len(out_zeros)
     primals_out = _cast_all(inner, outs[:n_out], [s.dtype for s in out_shapes])
@@ -714,9 +691,9 @@ def _custom_jvp(evaluator, eqn, values, flags, scopes):
   return list(outs), [False] * len(outs)
 
 
-def _custom_vjp(evaluator, eqn, values, flags, scopes):
+def _custom_vjp(evaluator, eqn, values, flags, stack):
   """A ``custom_vjp`` function runs as written: inputs in their traced dtypes."""
-  policy, pinned = evaluator.scopes(scopes)
+  policy, pinned = evaluator.scopes(jaxprs.name_parts(stack)[0])
   return evaluator.apply("original", eqn, values, flags, policy, pinned)
 
 
@@ -901,9 +878,9 @@ def _autocast_function(fn, resolved, table, scopes, *, returns_state):
         if len(cache) > _CACHE_SIZE:
           cache.popitem(last=False)
     closed, out_tree, n_outputs = entry
-    prefix = _scope_names(jaxprs.current_name_stack())
     evaluator = _Evaluator(table, scopes)
-    outs, _ = evaluator.run_closed(closed, dynamic, [True] * len(dynamic), prefix)
+    outs, _ = evaluator.run_closed(closed, dynamic, [True] * len(dynamic),
+                                   jaxprs.current_name_stack())
     outs = [
         evaluator.cast(x, resolved.output_dtype if i < n_outputs else aval.dtype)
         if _is_floating(jnp.result_type(x)) else x
