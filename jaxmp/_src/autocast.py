@@ -1,18 +1,10 @@
 """Automatic mixed precision for any JAX function, at the level of operations.
 
-:func:`autocast` traces a function to a jaxpr (once per abstract signature)
-and evaluates that jaxpr again, casting each operation's floating inputs by
-the rule of its primitive (:func:`jaxmp.autocast_rules`): matrix products in
-the policy's compute dtype, range-sensitive operations in float32, everything
-else in the widest dtype of its inputs. Because it works on the traced
-program, the result does not depend on the dtypes the model declares (a
-Linen layer's ``dtype=jnp.float32``, a float32 constant, a float32 batch in a
-closure): every matrix product gets half-precision inputs all the same.
-
-The evaluation binds ordinary primitives (and ``convert_element_type`` for the
-casts), so ``jax.grad``, ``jit``, ``vmap`` and ``checkpoint`` see an ordinary
-function: the backward pass is the autodiff of the casts. Each value is cast
-at most once per dtype (params included), whatever the number of its uses.
+:func:`autocast` traces a function and evaluates its jaxpr again with
+:func:`jaxprs.evaluate`, whose rule casts each operation's floating inputs by
+the rule of its primitive and binds ordinary primitives: ``grad``, ``jit``,
+``vmap`` and ``checkpoint`` see an ordinary function, and the backward pass is
+the autodiff of the casts.
 """
 
 from __future__ import annotations
@@ -49,14 +41,14 @@ _CARRY_ROUNDS = 4
 _MOVEMENTS = frozenset({
     "reshape", "transpose", "squeeze", "slice", "dynamic_slice", "rev", "copy",
 })
+# Operations whose input another operation computes, and which give that
+# operation their rule (see _Evaluator._shifts_before_exp).
+_FEEDING = {"exp": "sub", "exp2": "sub", "reduce_sum": "mul"}
 # Elementwise operations that broadcast size-1 dimensions of their inputs. A
 # flexible input they broadcast (a bias, a layer norm's scale) is broadcast to
 # the full shape before it is cast: the cast fuses into the operation, and the
 # gradient of the param, a sum over the broadcast dimensions, is summed in its
 # own dtype (float32) rather than in the compute dtype.
-# Operations whose input another operation computes, and which give that
-# operation their rule (see _Evaluator._shifts_before_exp).
-_FEEDING = {"exp": "sub", "exp2": "sub", "reduce_sum": "mul"}
 _BROADCASTING = frozenset({
     "add", "add_any", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem",
     "nextafter", "select_n", "clamp",
@@ -260,9 +252,9 @@ class _Evaluator:
 
   # -- Programs ----------------------------------------------------------------
 
-  def run(self, jaxpr, consts, args, const_flexible, arg_flexible, stack):
+  def run(self, jaxpr, consts, args, arg_flexible, stack):
     """Evaluates ``jaxpr`` under the name stack ``stack``; returns its outputs
-    and their flexibility."""
+    and their flexibility. Constants are flexible."""
     shifts = self._shifts_before_exp(jaxpr)
 
     def rule(eqn, ins, eqn_stack):
@@ -272,16 +264,13 @@ class _Evaluator:
       return list(zip(outs, out_flags))
 
     outs = jaxprs.evaluate(
-        jaxpr, [(self.constant(c), f) for c, f in zip(consts, const_flexible)],
+        jaxpr, [(self.constant(c), True) for c in consts],
         list(zip(args, arg_flexible)), rule,
         literal=lambda value: (self.constant(value), True), name_stack=stack)
     return [v for v, _ in outs], [f for _, f in outs]
 
   def run_closed(self, closed, args, flags, stack):
-    return self.run(
-        closed.jaxpr, closed.consts, args, [True] * len(closed.consts), flags,
-        stack,
-    )
+    return self.run(closed.jaxpr, closed.consts, args, flags, stack)
 
   def _shifts_before_exp(self, jaxpr) -> dict[Any, str]:
     """The operations that compute the input of another: they take its rule.
@@ -457,7 +446,7 @@ def _inline(evaluator, eqn, values, flags, stack):
   if jaxprs.is_closed(closed):
     outs, out_flags = evaluator.run_closed(closed, values, flags, stack)
   else:
-    outs, out_flags = evaluator.run(closed, [], values, [], flags, stack)
+    outs, out_flags = evaluator.run(closed, [], values, flags, stack)
   return _constrain(outs, out_shardings), out_flags
 
 
@@ -477,7 +466,7 @@ def _checkpoint(evaluator, eqn, values, flags, stack):
   seen = {}
 
   def body(*args):
-    outs, seen["flags"] = evaluator.child().run(jaxpr, [], args, [], flags, stack)
+    outs, seen["flags"] = evaluator.child().run(jaxpr, [], args, flags, stack)
     return outs
 
   outs = jax.checkpoint(
@@ -667,9 +656,7 @@ def _custom_jvp(evaluator, eqn, values, flags, stack):
     inner = evaluator.child()
     outs, _ = inner.run(
         jvp_jaxpr, jvp_consts, [*primals_in, *tangents_in],
-        [True] * len(jvp_consts), [*p_flags, *([False] * len(tangents_in))],
-        stack,
-    )
+        [*p_flags, *([False] * len(tangents_in))], stack)
     n_out = len(out_zeros)
     primals_out = _cast_all(inner, outs[:n_out], [s.dtype for s in out_shapes])
     nonzero = iter(outs[n_out:])
@@ -725,38 +712,20 @@ def autocast(
   """Returns ``fn`` running in mixed precision, operation by operation.
 
   When called, the returned function traces ``fn`` to a jaxpr (once per
-  abstract signature of its arguments; under ``jit``, once per compilation)
-  and evaluates it again, casting the floating inputs of each operation by
-  the rule of its primitive (see :func:`jaxmp.autocast_rules`):
-
-  * matrix products and convolutions (``dot_general``,
-    ``conv_general_dilated``, hence ``einsum`` and ``Dense``) take their
-    inputs in the policy's compute dtype and return it; the hardware
-    accumulates in float32 as it does for any half-precision matmul;
-  * range- and precision-sensitive operations (``exp``, ``log``,
-    ``logistic``, the ``x - max(x)`` of softmax, ``reduce_sum``, ``cumsum``,
-    ``rsqrt``, ``square`` ...) run in float32, so softmax, layer norm and the
-    loss do, and return float32 even for float16 or bfloat16 values (a cast
-    back to 16 bits of their result is left out);
-  * everything else runs in the widest dtype of its inputs. The function's
-    own inputs and captured constants (params, the batch, a float32 array in a
-    closure) are *flexible*: they take the dtype of the computed values they
-    meet, as a Python scalar does in JAX's promotion. A float32 bias added to
-    a bfloat16 matmul output is added in bfloat16, as if the params had been
-    cast with ``policy.cast_to_compute``. A constant is not narrowed into
-    ``-inf``, ``inf`` or 0: a mask fill ``jnp.finfo(jnp.float32).min`` becomes
-    the most negative finite number of the narrower dtype.
-
-  Floating outputs are cast to ``policy.output_dtype``. Each value (each
-  param) is cast at most once per dtype, however often it is used. The
-  result is an ordinary JAX function: ``jax.grad``, ``jax.value_and_grad``,
-  :func:`jaxmp.scaled_value_and_grad`, ``jit`` (sharded or not), ``vmap`` and
-  ``jax.checkpoint`` work on it; gradients of float32 params come back in
-  float32 and the backward matmuls run in the compute dtype, as autodiff of
-  the casts implies. Autocast enters ``jit``, ``scan``, ``while_loop``,
-  ``cond``, ``checkpoint`` and ``custom_jvp`` functions (both the function and
-  its JVP rule follow the table); a ``custom_vjp`` function runs as written,
-  with its inputs cast back to the dtypes it was traced with.
+  abstract signature of its arguments) and evaluates it again, casting the
+  floating inputs of each operation by the rule of its primitive
+  (:func:`jaxmp.autocast_rules`): matrix products and convolutions in the
+  policy's compute dtype, range-sensitive operations (``exp``, ``log``,
+  softmax's ``x - max(x)``, ``reduce_sum`` ...) in float32, everything else
+  in the widest dtype of its inputs, where the function's own inputs and
+  captured constants take the dtype of the computed values they meet. A
+  constant is not narrowed into ``-inf``, ``inf`` or 0. Floating outputs are
+  cast to ``policy.output_dtype``; each value is cast at most once per dtype.
+  The result is an ordinary JAX function (``grad``, ``jit``, ``vmap``,
+  ``checkpoint`` work on it), and autocast enters ``jit``, ``scan``,
+  ``while_loop``, ``cond``, ``checkpoint`` and ``custom_jvp`` functions; a
+  ``custom_vjp`` function runs as written. The autocast guide
+  (``docs/autocast.md``) gives the details.
 
   Args:
     fn: the function, e.g. a loss ``loss_fn(params, batch)``. Array arguments

@@ -121,17 +121,9 @@ class PrecisionOp:
       messages (the innermost frame outside JAX), ``"file.py:12:4
       (function)"``; for a Flax layer, the layer's line in Flax.
     cause: for an op with a float32 (or float64) input, why it is wide, when
-      the trace shows it: ``"recast"`` (an input was cast to 16 bits and back
-      up, or computed from such a value, as a Flax layer's own
-      ``dtype=jnp.float32`` does with params and inputs a policy cast; for a
-      Linen module, only one that declares a float32 dtype), ``"closure"``
-      (an input is computed from a floating array the function captures
-      instead of receiving it as an argument; never a PRNG key nor an
-      integer array), ``"mixed"`` (one input is 16-bit, the other 32-bit,
-      or a Linen module without a float32 dtype promoted its 16-bit params
-      to a float32 input: the op runs in the wider dtype, and that input
-      never got the compute dtype, as the parameter of a custom layer that
-      has no ``dtype``); ``""`` otherwise.
+      the trace shows it: ``"recast"``, ``"closure"`` or ``"mixed"`` (the
+      precision audit guide, ``docs/precision-audit.md``, says what each
+      means); ``""`` otherwise.
     captured: for ``cause == "closure"``, the type of the captured array,
       e.g. ``"float32[8,4]"``.
 
@@ -639,11 +631,6 @@ def precision_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Preci
   ``remat``, ``custom_jvp``/``custom_vjp`` and ``shard_map`` included; if
   ``fn`` computes gradients, the ops of the backward pass are reported too,
   with ``direction="backward"``.
-
-  Read the dtypes of a training step here rather than those of the params:
-  a Flax layer built with its own ``dtype=jnp.float32`` computes in float32
-  even when the params were cast to float16, and so does a model fed a
-  float32 array that the loss function captures by closure.
 
   Args:
     fn: the function, e.g. a loss function, ``jax.grad(loss_fn)`` or a whole
