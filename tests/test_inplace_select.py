@@ -204,7 +204,14 @@ def test_the_switch_selects_the_select(monkeypatch):
     return compiled.as_text().split("ENTRY")[1].count(" copy(")
 
   monkeypatch.delenv("JAXMP_INPLACE_SELECT", raising=False)
-  assert copies() == 0  # the default: in place
+  assert copies() == 0  # the default on a CPU: in place
+  with monkeypatch.context() as m:  # elsewhere the plain select, which XLA:GPU fuses
+    m.setattr(jax, "default_backend", lambda: "gpu")
+    assert copies() == 3
+  monkeypatch.setenv("JAXMP_INPLACE_SELECT", "1")
+  with monkeypatch.context() as m:  # the variable wins over the backend
+    m.setattr(jax, "default_backend", lambda: "gpu")
+    assert copies() == 0
   monkeypatch.setenv("JAXMP_INPLACE_SELECT", "0")
   assert copies() == 3  # the plain select copies the count, mu and nu
   monkeypatch.setenv("JAXMP_INPLACE_SELECT", "yes")

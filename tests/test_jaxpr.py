@@ -1,7 +1,8 @@
 """The canary: every JAX internal that jaxmp touches (jaxmp/_src/jaxpr.py),
 against the installed JAX.
 
-autocast, the precision audit and the in-place select evaluate or read
+autocast, the precision audit and the in-place select are rules over its one
+evaluator (jaxpr.evaluate), and read
 jaxprs through these helpers only. If this fails after a JAX upgrade, the
 helper it names needs updating (meanwhile, JAXMP_INPLACE_SELECT=0 turns the
 in-place select off).
@@ -49,31 +50,42 @@ def test_the_jax_internals_jaxmp_relies_on_still_work():
   assert {"dot_general", "exp", "reduce_sum"} <= jaxprs.primitive_names()
   assert jaxprs.is_primitive(jit_eqn.primitive)
 
+  # The evaluator, with its default rule (bind the primitive in the
+  # equation's context), outside and inside jit.
   def evaluate(x, y):
-    env = dict(zip(jaxpr.constvars, closed.consts))
-    env.update(zip(jaxpr.invars, (x, y)))
-    for eqn in jaxpr.eqns:
-      with jaxprs.equation_context(eqn):
-        outs = jaxprs.bind(
-            eqn, [a.val if jaxprs.is_literal(a) else env[a] for a in eqn.invars])
-      assert len(outs) == len(eqn.outvars)
-      env.update(zip(eqn.outvars, outs))
-    return [env[a] for a in jaxpr.outvars]
+    return jaxprs.evaluate(jaxpr, closed.consts, [x, y])
 
   expected = fn(x, y)
   for run in (evaluate, jax.jit(evaluate)):
     chex.assert_trees_all_equal(tuple(run(x, y)), expected)
-  # The name stack of a trace, which the equation's context extends.
-  names = {}
 
-  def named(x):
-    with jax.named_scope("block"):
-      names["stack"] = str(jaxprs.current_name_stack())
-    return x
+  # A rule of one's own, recursing into inner programs with the name stack:
+  # what it sees of each equation (its scopes, transforms, source line), and
+  # literals read through `literal`.
+  seen_eqns = []
 
-  jax.make_jaxpr(named)(x)
-  assert "block" in names["stack"]
-  assert str(jaxprs.new_name_stack()) == ""
+  def rule(eqn, invals, stack):
+    scopes, transforms = jaxprs.name_parts(stack)
+    seen_eqns.append((eqn.primitive.name, scopes, transforms, jaxprs.source_line(eqn)))
+    for sub in jaxprs.inner_jaxprs(eqn.params):
+      jaxprs.evaluate(sub, [None] * len(sub.constvars), [None] * len(sub.invars),
+                      rule, literal=lambda value: None, name_stack=stack)
+    return [None] * len(eqn.outvars)
+
+  outs = jaxprs.evaluate(jaxpr, [None] * len(jaxpr.constvars), [None, None], rule,
+                         literal=lambda value: None)
+  assert outs == [None] * len(jaxpr.outvars)
+  inner = [(n, s) for n, s, _, _ in seen_eqns if n == "mul"]
+  assert ("mul", ("outer",)) in inner  # a * 2.0 inside the nested jit
+  line = fn.__code__.co_firstlineno + 5  # the sort's
+  assert [l for n, _, _, l in seen_eqns if n == "sort"] == [
+      f"test_jaxpr.py:{line}:19 ({fn.__qualname__})"]
+  grad_eqns = []
+  jaxprs.evaluate(
+      jax.make_jaxpr(jax.grad(lambda a: jnp.sum(a * a)))(x).jaxpr, [], [x],
+      lambda eqn, invals, stack: grad_eqns.append(jaxprs.name_parts(stack)[1])
+      or jaxprs.bind_rule(eqn, invals, stack))
+  assert ("transpose", "jvp") in grad_eqns
 
   # Varying manual axes: inside shard_map, per-device values vary, replicated
   # ones do not; outside, nothing does.

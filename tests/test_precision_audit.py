@@ -33,9 +33,11 @@ USER_CODE_MIXES = (
     "upcast the warning reports); only standard promotion accepts it")
 
 
-def line_of(fn, offset=1):
-  """The source of a line of ``fn``, as the report writes it."""
-  return f"{HERE}:{fn.__code__.co_firstlineno + offset} ({fn.__qualname__})"
+def at_line(source, fn, offset=1):
+  """Whether ``source`` (a report's) names a line of ``fn``: "file:line:column (name)"."""
+  file, line, _ = source.split(" ")[0].split(":")
+  return ((file, int(line)) == (HERE, fn.__code__.co_firstlineno + offset)
+          and source.endswith(f" ({fn.__qualname__})"))
 
 
 def jaxpr_dot_dtypes(fn, *args):
@@ -68,7 +70,8 @@ def test_a_dot_with_its_dtypes_shapes_flops_operands_and_source():
       primitive="dot_general", direction="forward", lhs_dtype=F16,
       rhs_dtype=F16, out_dtype=F16, lhs_shape=(4, 3), rhs_shape=(3, 5),
       out_shape=(4, 5), flops=2 * 4 * 5 * 3, repeats=1, module="",
-      operands=("x", "params/w"), source=line_of(loss), cause="", captured="")
+      operands=("x", "params/w"), source=op.source, cause="", captured="")
+  assert at_line(op.source, loss)
   assert op.inputs == ("float16", "float16") and op.runs_in("f16")
   assert op.where == "params/w"
   assert report.flops_by_dtype() == {("float16", "float16"): 120}
@@ -146,11 +149,11 @@ def test_gradients_remat_and_a_custom_vjp_label_their_passes():
   product.defvjp(forward, backward)
   report = jaxmp.precision_report(jax.grad(lambda w, x: jnp.sum(product(x, w))), w, x)
   assert [op.direction for op in report.ops] == ["forward", "backward", "backward"]
-  assert report.ops[0].source == line_of(forward)
+  assert at_line(report.ops[0].source, forward)
   assert [op.operands for op in report.ops[1:]] == [("", "w"), ("x", "")]
   # Not differentiated, the custom_vjp's own jaxpr is walked.
   op, = jaxmp.precision_report(lambda w, x: product(x, w), w, x).ops
-  assert op.direction == "forward" and op.source == line_of(product.fun, 2)  # below its decorator
+  assert op.direction == "forward" and at_line(op.source, product.fun, 2)  # below its decorator
 
 
 def test_jit_cond_and_while_are_walked():
@@ -208,7 +211,8 @@ def test_mixed_inputs_and_the_table():
                             "where", "cause", "source"]
   assert row.split()[:9] == ["forward", "dot", "float16", "x", "float32", "float32",
                              "[4,3]", "x", "[3,2]"]
-  assert row.rstrip().endswith(line_of(fn)) and " mixed " in row
+  assert row.rstrip().endswith(report.ops[0].source) and " mixed " in row
+  assert at_line(report.ops[0].source, fn)
   empty = jaxmp.precision_report(jnp.tanh, jnp.ones(3))
   assert empty.ops == () and "nothing to report" in str(empty)
 
@@ -243,14 +247,14 @@ def cross_entropy(logits, y):
       logits.astype(jnp.float32), y).mean()
 
 
-def make_step():
+def make_step(audit=True):
   """A new training step, so that no test finds another's in jit's cache."""
 
   def step_with_arguments(state, x, y):
     def loss_fn(params, x, y):
       return cross_entropy(state.apply_fn({"params": params}, x), y)
 
-    loss, grads = state.value_and_grad(loss_fn)(state.params, x, y)
+    loss, grads = state.value_and_grad(loss_fn, audit=audit)(state.params, x, y)
     return state.apply_gradients(grads=grads), loss
 
   return step_with_arguments
@@ -269,16 +273,11 @@ def test_a_model_with_its_own_float32_dtype_warns_naming_the_layers_and_the_fix(
   # the policy casts the params and the inputs to float16.
   assert jaxpr_dot_dtypes(step, state, X, Y) == {("float32", "float32")}
   text, = precision_warnings(record)
-  assert text.startswith(
-      "TrainState.value_and_grad: the policy computes in float16, but only 0% "
-      "of the matmul and convolution FLOPs of the loss function run in float16 "
-      "(100% in float32).")
-  assert ("cast back to float32 inside MLP/hidden, MLP/Dense_0: the modules "
-          "declare dtype=float32") in text
-  # Both fixes keep the model the step calls.
-  assert "TrainState.create(..., autocast=True)" in text
-  assert "jaxmp.flax.ModulePolicy(..., override_dtype=True)" in text
-  assert "state.apply_fn" not in text
+  # It says what it found (the share, the cause, the layers) and where the
+  # fixes are.
+  assert "0%" in text and "100% in float32" in text
+  assert "'recast', in MLP/hidden, MLP/Dense_0" in text
+  assert "precision-audit.md" in text
   assert record[0].filename == __file__  # points at the call in the step
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", jaxmp.PrecisionWarning)
@@ -296,7 +295,7 @@ class WarnsJittedOrNotTest(chex.TestCase):
   def test_the_warning_comes_at_the_first_call_either_way(self):
     state, _ = linen_state(dtype=jnp.float32)
     step = self.variant(make_step())
-    with pytest.warns(jaxmp.PrecisionWarning, match="inside MLP/hidden, MLP/Dense_0"):
+    with pytest.warns(jaxmp.PrecisionWarning, match="'recast', in MLP/hidden, MLP/Dense_0"):
       new_state, loss = step(state, X, Y)
     # and the step itself runs as before (test_flax_train_state checks its values).
     self.assertEqual(int(new_state.step), 1)
@@ -306,7 +305,7 @@ class WarnsJittedOrNotTest(chex.TestCase):
 def test_a_module_policy_does_not_hide_the_models_dtype():
   policy = jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_float16")
   state, _ = linen_state(dtype=jnp.float32, policy=policy)
-  with pytest.warns(jaxmp.PrecisionWarning, match="inside MLP/hidden, MLP/Dense_0"):
+  with pytest.warns(jaxmp.PrecisionWarning, match="'recast', in MLP/hidden, MLP/Dense_0"):
     jax.jit(make_step())(state, X, Y)
 
 
@@ -319,17 +318,14 @@ def test_a_loss_fn_closing_over_a_float32_batch_warns_naming_the_closure():
     def loss_fn(params):  # Flax's canonical form: the batch is captured
       return cross_entropy(model.apply({"params": params}, X), Y)
 
-    return state.value_and_grad(loss_fn)(state.params)
+    return state.value_and_grad(loss_fn, audit=True)(state.params)
 
   with pytest.warns(jaxmp.PrecisionWarning) as record:
     jax.jit(step)(state)
   assert jaxpr_dot_dtypes(step, state) == {("float32", "float32")}
   text, = precision_warnings(record)
-  assert ("fed by a float32 array that the loss function captures by closure "
-          "(float32[8,4]), in MLP/hidden, MLP/Dense_0.") in text
-  assert "call the model through state.policy.wrap_apply(model.apply)" in text
-  assert "state.apply_fn" not in text
-  assert "cast back" not in text  # the closure, not the layers, is the cause
+  assert "'closure' (float32[8,4]), in MLP/hidden, MLP/Dense_0" in text
+  assert "recast" not in text  # the closure, not the layers, is the cause
 
 
 class Translator(nn.Module):
@@ -368,13 +364,12 @@ def test_a_wmt_style_step_blames_the_declared_dtype_not_the_key_nor_the_tokens()
       logits = Translator().apply({"params": params}, tokens, rngs={"dropout": key})
       return cross_entropy(logits, tokens)
 
-    return state.value_and_grad(loss_fn)(state.params)
+    return state.value_and_grad(loss_fn, audit=True)(state.params)
 
   with pytest.warns(jaxmp.PrecisionWarning) as record:
     jax.jit(step)(state)
   text, = precision_warnings(record)
-  assert "the modules declare dtype=float32" in text
-  assert "closure" not in text and "state.apply_fn" not in text
+  assert "'recast'" in text and "closure" not in text
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", jaxmp.PrecisionWarning)
     report = jaxmp.precision_report(step, state)
@@ -389,13 +384,14 @@ def test_a_model_without_its_own_dtype_fed_an_uncast_batch_is_not_blamed_on_a_dt
 
   def step(state, x, y):
     return state.value_and_grad(
-        lambda p, x, y: cross_entropy(model.apply({"params": p}, x), y))(state.params, x, y)
+        lambda p, x, y: cross_entropy(model.apply({"params": p}, x), y),
+        audit=True)(state.params, x, y)
 
   with pytest.warns(jaxmp.PrecisionWarning) as record:
     jax.jit(step)(state, X, Y)
   text, = precision_warnings(record)
-  assert "computed from a bfloat16 and a float32 input, in MLP/hidden, MLP/Dense_0" in text
-  assert "declare" not in text
+  assert "'mixed', in MLP/hidden, MLP/Dense_0" in text
+  assert "recast" not in text
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", jaxmp.PrecisionWarning)
     report = jaxmp.precision_report(step, state, X, Y)
@@ -430,7 +426,8 @@ def test_a_float32_policy_never_warns():
 
   def step(state):
     return state.value_and_grad(
-        lambda p: cross_entropy(model.apply({"params": p}, X), Y))(state.params)
+        lambda p: cross_entropy(model.apply({"params": p}, X), Y),
+        audit=True)(state.params)
 
   with warnings.catch_warnings():
     warnings.simplefilter("error", jaxmp.PrecisionWarning)
@@ -480,12 +477,33 @@ def test_once_per_trace_bfloat16_and_escalation():
     step(state, X[:4], Y[:4])  # a new shape: a new trace, checked again
   texts = precision_warnings(record)
   assert len(texts) == 2
-  assert all("the policy computes in bfloat16" in t and "declare dtype=float32" in t
-             for t in texts)
+  assert all("computes in bfloat16" in t and "'recast'" in t for t in texts)
   with warnings.catch_warnings():
     warnings.simplefilter("error", jaxmp.PrecisionWarning)
     with pytest.raises(jaxmp.PrecisionWarning):
       jax.jit(make_step())(state, X, Y)
+
+
+@pytest.mark.parametrize("audit", [False, True])
+def test_the_audit_is_opt_in_and_its_trace_the_only_extra_one(audit):
+  state, _ = linen_state(dtype=jnp.float32)
+  traces = []
+
+  def loss_fn(params, x, y):
+    traces.append(1)  # once per trace of the loss
+    return cross_entropy(state.apply_fn({"params": params}, x), y)
+
+  grad_fn = state.value_and_grad(loss_fn, audit=audit)
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    grad_fn(state.params, X, Y)
+    grad_fn(state.params, X, Y)  # the same signature: no new audit
+  # The gradient traces the loss once per call outside jit; the audit adds
+  # one trace of the forward pass on the first call only.
+  assert len(traces) == 2 + audit
+  assert len(precision_warnings(record)) == audit
+  with pytest.raises(TypeError, match="audit"):
+    state.value_and_grad(loss_fn, audit="yes")
 
 
 # ---------------------------------------------------------------------------

@@ -1,18 +1,10 @@
 """Automatic mixed precision for any JAX function, at the level of operations.
 
-:func:`autocast` traces a function to a jaxpr (once per abstract signature)
-and evaluates that jaxpr again, casting each operation's floating inputs by
-the rule of its primitive (:func:`jaxmp.autocast_rules`): matrix products in
-the policy's compute dtype, range-sensitive operations in float32, everything
-else in the widest dtype of its inputs. Because it works on the traced
-program, the result does not depend on the dtypes the model declares (a
-Linen layer's ``dtype=jnp.float32``, a float32 constant, a float32 batch in a
-closure): every matrix product gets half-precision inputs all the same.
-
-The evaluation binds ordinary primitives (and ``convert_element_type`` for the
-casts), so ``jax.grad``, ``jit``, ``vmap`` and ``checkpoint`` see an ordinary
-function: the backward pass is the autodiff of the casts. Each value is cast
-at most once per dtype (params included), whatever the number of its uses.
+:func:`autocast` traces a function and evaluates its jaxpr again with
+:func:`jaxprs.evaluate`, whose rule casts each operation's floating inputs by
+the rule of its primitive and binds ordinary primitives: ``grad``, ``jit``,
+``vmap`` and ``checkpoint`` see an ordinary function, and the backward pass is
+the autodiff of the casts.
 """
 
 from __future__ import annotations
@@ -49,14 +41,14 @@ _CARRY_ROUNDS = 4
 _MOVEMENTS = frozenset({
     "reshape", "transpose", "squeeze", "slice", "dynamic_slice", "rev", "copy",
 })
+# Operations whose input another operation computes, and which give that
+# operation their rule (see _Evaluator._shifts_before_exp).
+_FEEDING = {"exp": "sub", "exp2": "sub", "reduce_sum": "mul"}
 # Elementwise operations that broadcast size-1 dimensions of their inputs. A
 # flexible input they broadcast (a bias, a layer norm's scale) is broadcast to
 # the full shape before it is cast: the cast fuses into the operation, and the
 # gradient of the param, a sum over the broadcast dimensions, is summed in its
 # own dtype (float32) rather than in the compute dtype.
-# Operations whose input another operation computes, and which give that
-# operation their rule (see _Evaluator._shifts_before_exp).
-_FEEDING = {"exp": "sub", "exp2": "sub", "reduce_sum": "mul"}
 _BROADCASTING = frozenset({
     "add", "add_any", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem",
     "nextafter", "select_n", "clamp",
@@ -88,15 +80,6 @@ def _at_least(dtype: np.dtype, floor: np.dtype | None) -> np.dtype:
 
 def _is_array(x: Any) -> bool:
   return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.core.Tracer))
-
-
-def _scope_names(name_stack: Any) -> tuple[str, ...]:
-  """The ``jax.named_scope`` names of a name stack (transforms left out)."""
-  return tuple(
-      item.name
-      for item in getattr(name_stack, "stack", ())
-      if type(item).__name__ == "Scope"
-  )
 
 
 def _resolve_policy(policy: Any) -> Policy:
@@ -269,42 +252,25 @@ class _Evaluator:
 
   # -- Programs ----------------------------------------------------------------
 
-  def run(self, jaxpr, consts, args, const_flexible, arg_flexible, prefix):
-    """Evaluates ``jaxpr``; returns its outputs and their flexibility."""
-    env: dict[Any, Any] = {}
-    flexible: dict[Any, bool] = {}
-
-    def read(atom):
-      if jaxprs.is_literal(atom):
-        return self.constant(atom.val), True
-      return env[atom], flexible[atom]
-
-    def write(var, value, is_flexible):
-      if jaxprs.is_dropped(var):
-        return
-      env[var] = value
-      flexible[var] = is_flexible
-
-    for var, value, f in zip(jaxpr.constvars, consts, const_flexible):
-      write(var, self.constant(value), f)
-    for var, value, f in zip(jaxpr.invars, args, arg_flexible):
-      write(var, value, f)
+  def run(self, jaxpr, consts, args, arg_flexible, stack):
+    """Evaluates ``jaxpr`` under the name stack ``stack``; returns its outputs
+    and their flexibility. Constants are flexible."""
     shifts = self._shifts_before_exp(jaxpr)
-    for eqn in jaxpr.eqns:
-      values, flags = zip(*map(read, eqn.invars)) if eqn.invars else ((), ())
-      scopes = prefix + _scope_names(eqn.source_info.name_stack)
+
+    def rule(eqn, ins, eqn_stack):
+      values, flags = zip(*ins) if ins else ((), ())
       with jaxprs.equation_context(eqn):
-        outs, out_flags = self.eqn(eqn, list(values), list(flags), scopes, shifts)
-      for var, value, f in zip(eqn.outvars, outs, out_flags):
-        write(var, value, f)
-    outs = [read(atom) for atom in jaxpr.outvars]
+        outs, out_flags = self.eqn(eqn, list(values), list(flags), eqn_stack, shifts)
+      return list(zip(outs, out_flags))
+
+    outs = jaxprs.evaluate(
+        jaxpr, [(self.constant(c), True) for c in consts],
+        list(zip(args, arg_flexible)), rule,
+        literal=lambda value: (self.constant(value), True), name_stack=stack)
     return [v for v, _ in outs], [f for _, f in outs]
 
-  def run_closed(self, closed, args, flags, prefix):
-    return self.run(
-        closed.jaxpr, closed.consts, args, [True] * len(closed.consts), flags,
-        prefix,
-    )
+  def run_closed(self, closed, args, flags, stack):
+    return self.run(closed.jaxpr, closed.consts, args, flags, stack)
 
   def _shifts_before_exp(self, jaxpr) -> dict[Any, str]:
     """The operations that compute the input of another: they take its rule.
@@ -338,11 +304,11 @@ class _Evaluator:
 
   # -- One equation --------------------------------------------------------------
 
-  def eqn(self, eqn, values, flags, scopes, shifts):
+  def eqn(self, eqn, values, flags, stack, shifts):
     name = eqn.primitive.name
     handler = _STRUCTURAL_HANDLERS.get(name)
     if handler is not None:
-      return handler(self, eqn, values, flags, scopes)
+      return handler(self, eqn, values, flags, stack)
     kind = shifts.get(id(eqn)) or self.table.get(name)
     if kind is None:
       has_program = bool(jaxprs.inner_jaxprs(eqn.params))
@@ -355,7 +321,7 @@ class _Evaluator:
       # hold for half-precision values too (a float16 sum is a float32 sum),
       # so the value stays float32, as PyTorch's autocast returns it.
       return [values[0]], [False]
-    policy, pinned = self.scopes(scopes)
+    policy, pinned = self.scopes(jaxprs.name_parts(stack)[0])
     return self.apply(kind, eqn, values, flags, policy, pinned)
 
   def apply(self, kind, eqn, values, flags, policy, pinned):
@@ -471,16 +437,16 @@ class _Evaluator:
 # -- Programs inside programs ------------------------------------------------------
 
 
-def _inline(evaluator, eqn, values, flags, scopes):
+def _inline(evaluator, eqn, values, flags, stack):
   """``jit`` and ``closed_call``: evaluated in place, shardings kept."""
   closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
   in_shardings = eqn.params.get("in_shardings", ())
   out_shardings = eqn.params.get("out_shardings", ())
   values = _constrain(values, in_shardings)
   if jaxprs.is_closed(closed):
-    outs, out_flags = evaluator.run_closed(closed, values, flags, scopes)
+    outs, out_flags = evaluator.run_closed(closed, values, flags, stack)
   else:
-    outs, out_flags = evaluator.run(closed, [], values, [], flags, scopes)
+    outs, out_flags = evaluator.run(closed, [], values, flags, stack)
   return _constrain(outs, out_shardings), out_flags
 
 
@@ -494,13 +460,13 @@ def _constrain(values, shardings):
   ]
 
 
-def _checkpoint(evaluator, eqn, values, flags, scopes):
+def _checkpoint(evaluator, eqn, values, flags, stack):
   """``jax.checkpoint``: the body is evaluated under a new checkpoint."""
   jaxpr = eqn.params["jaxpr"]
   seen = {}
 
   def body(*args):
-    outs, seen["flags"] = evaluator.child().run(jaxpr, [], args, [], flags, scopes)
+    outs, seen["flags"] = evaluator.child().run(jaxpr, [], args, flags, stack)
     return outs
 
   outs = jax.checkpoint(
@@ -555,7 +521,7 @@ def _shape_dtype(values, dtypes):
   return [jax.ShapeDtypeStruct(jnp.shape(v), d) for v, d in zip(values, dtypes)]
 
 
-def _scan(evaluator, eqn, values, flags, scopes):
+def _scan(evaluator, eqn, values, flags, stack):
   p = eqn.params
   n_consts, n_carry = p["num_consts"], p["num_carry"]
   consts, init, xs = _split(values, n_consts, n_carry)
@@ -566,7 +532,7 @@ def _scan(evaluator, eqn, values, flags, scopes):
     def body(carry, x):
       inner = evaluator.child()
       outs, out_flags = inner.run_closed(
-          closed, [*consts, *carry, *x], [*c_flags, *carry_flags, *x_flags], scopes
+          closed, [*consts, *carry, *x], [*c_flags, *carry_flags, *x_flags], stack
       )
       record["flags"] = out_flags
       new_carry = outs[:n_carry]
@@ -595,7 +561,7 @@ def _scan(evaluator, eqn, values, flags, scopes):
   return [*carry, *ys], [*carry_flags, *([False] * len(ys))]
 
 
-def _while(evaluator, eqn, values, flags, scopes):
+def _while(evaluator, eqn, values, flags, stack):
   p = eqn.params
   n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
   cond_consts, body_consts, init = _split(values, n_cond, n_body)
@@ -605,7 +571,7 @@ def _while(evaluator, eqn, values, flags, scopes):
     def body(carry):
       inner = evaluator.child()
       outs, out_flags = inner.run_closed(
-          p["body_jaxpr"], [*body_consts, *carry], [*bc_flags, *carry_flags], scopes
+          p["body_jaxpr"], [*body_consts, *carry], [*bc_flags, *carry_flags], stack
       )
       record["flags"] = out_flags
       return outs if carry_dtypes is None else _cast_all(inner, outs, carry_dtypes)
@@ -614,7 +580,7 @@ def _while(evaluator, eqn, values, flags, scopes):
   def make_cond(carry_flags):
     def cond(carry):
       outs, _ = evaluator.child().run_closed(
-          p["cond_jaxpr"], [*cond_consts, *carry], [*cc_flags, *carry_flags], scopes
+          p["cond_jaxpr"], [*cond_consts, *carry], [*cc_flags, *carry_flags], stack
       )
       return outs[0]
     return cond
@@ -635,7 +601,7 @@ def _while(evaluator, eqn, values, flags, scopes):
   return list(outs), carry_flags
 
 
-def _cond(evaluator, eqn, values, flags, scopes):
+def _cond(evaluator, eqn, values, flags, stack):
   index, operands = values[0], values[1:]
   op_flags = flags[1:]
   branches = eqn.params["branches"]
@@ -643,7 +609,7 @@ def _cond(evaluator, eqn, values, flags, scopes):
   def make_branch(closed, out_dtypes, record):
     def branch(*args):
       inner = evaluator.child()
-      outs, out_flags = inner.run_closed(closed, list(args), op_flags, scopes)
+      outs, out_flags = inner.run_closed(closed, list(args), op_flags, stack)
       record.append(out_flags)
       return outs if out_dtypes is None else _cast_all(inner, outs, out_dtypes)
     return branch
@@ -664,7 +630,7 @@ def _cond(evaluator, eqn, values, flags, scopes):
   return list(outs), out_flags
 
 
-def _custom_jvp(evaluator, eqn, values, flags, scopes):
+def _custom_jvp(evaluator, eqn, values, flags, stack):
   """A ``custom_jvp`` function: its primal and its JVP rule both follow the table."""
   p = eqn.params
   n_consts = p["num_consts"]
@@ -676,7 +642,7 @@ def _custom_jvp(evaluator, eqn, values, flags, scopes):
 
   def primal_fn(*xs):
     outs, record["flags"] = evaluator.child().run_closed(
-        closed, [*consts, *xs], [*c_flags, *p_flags], scopes
+        closed, [*consts, *xs], [*c_flags, *p_flags], stack
     )
     return outs
 
@@ -690,9 +656,7 @@ def _custom_jvp(evaluator, eqn, values, flags, scopes):
     inner = evaluator.child()
     outs, _ = inner.run(
         jvp_jaxpr, jvp_consts, [*primals_in, *tangents_in],
-        [True] * len(jvp_consts), [*p_flags, *([False] * len(tangents_in))],
-        scopes,
-    )
+        [*p_flags, *([False] * len(tangents_in))], stack)
     n_out = len(out_zeros)
     primals_out = _cast_all(inner, outs[:n_out], [s.dtype for s in out_shapes])
     nonzero = iter(outs[n_out:])
@@ -714,9 +678,9 @@ def _custom_jvp(evaluator, eqn, values, flags, scopes):
   return list(outs), [False] * len(outs)
 
 
-def _custom_vjp(evaluator, eqn, values, flags, scopes):
+def _custom_vjp(evaluator, eqn, values, flags, stack):
   """A ``custom_vjp`` function runs as written: inputs in their traced dtypes."""
-  policy, pinned = evaluator.scopes(scopes)
+  policy, pinned = evaluator.scopes(jaxprs.name_parts(stack)[0])
   return evaluator.apply("original", eqn, values, flags, policy, pinned)
 
 
@@ -748,38 +712,20 @@ def autocast(
   """Returns ``fn`` running in mixed precision, operation by operation.
 
   When called, the returned function traces ``fn`` to a jaxpr (once per
-  abstract signature of its arguments; under ``jit``, once per compilation)
-  and evaluates it again, casting the floating inputs of each operation by
-  the rule of its primitive (see :func:`jaxmp.autocast_rules`):
-
-  * matrix products and convolutions (``dot_general``,
-    ``conv_general_dilated``, hence ``einsum`` and ``Dense``) take their
-    inputs in the policy's compute dtype and return it; the hardware
-    accumulates in float32 as it does for any half-precision matmul;
-  * range- and precision-sensitive operations (``exp``, ``log``,
-    ``logistic``, the ``x - max(x)`` of softmax, ``reduce_sum``, ``cumsum``,
-    ``rsqrt``, ``square`` ...) run in float32, so softmax, layer norm and the
-    loss do, and return float32 even for float16 or bfloat16 values (a cast
-    back to 16 bits of their result is left out);
-  * everything else runs in the widest dtype of its inputs. The function's
-    own inputs and captured constants (params, the batch, a float32 array in a
-    closure) are *flexible*: they take the dtype of the computed values they
-    meet, as a Python scalar does in JAX's promotion. A float32 bias added to
-    a bfloat16 matmul output is added in bfloat16, as if the params had been
-    cast with ``policy.cast_to_compute``. A constant is not narrowed into
-    ``-inf``, ``inf`` or 0: a mask fill ``jnp.finfo(jnp.float32).min`` becomes
-    the most negative finite number of the narrower dtype.
-
-  Floating outputs are cast to ``policy.output_dtype``. Each value (each
-  param) is cast at most once per dtype, however often it is used. The
-  result is an ordinary JAX function: ``jax.grad``, ``jax.value_and_grad``,
-  :func:`jaxmp.scaled_value_and_grad`, ``jit`` (sharded or not), ``vmap`` and
-  ``jax.checkpoint`` work on it; gradients of float32 params come back in
-  float32 and the backward matmuls run in the compute dtype, as autodiff of
-  the casts implies. Autocast enters ``jit``, ``scan``, ``while_loop``,
-  ``cond``, ``checkpoint`` and ``custom_jvp`` functions (both the function and
-  its JVP rule follow the table); a ``custom_vjp`` function runs as written,
-  with its inputs cast back to the dtypes it was traced with.
+  abstract signature of its arguments) and evaluates it again, casting the
+  floating inputs of each operation by the rule of its primitive
+  (:func:`jaxmp.autocast_rules`): matrix products and convolutions in the
+  policy's compute dtype, range-sensitive operations (``exp``, ``log``,
+  softmax's ``x - max(x)``, ``reduce_sum`` ...) in float32, everything else
+  in the widest dtype of its inputs, where the function's own inputs and
+  captured constants take the dtype of the computed values they meet. A
+  constant is not narrowed into ``-inf``, ``inf`` or 0. Floating outputs are
+  cast to ``policy.output_dtype``; each value is cast at most once per dtype.
+  The result is an ordinary JAX function (``grad``, ``jit``, ``vmap``,
+  ``checkpoint`` work on it), and autocast enters ``jit``, ``scan``,
+  ``while_loop``, ``cond``, ``checkpoint`` and ``custom_jvp`` functions; a
+  ``custom_vjp`` function runs as written. The autocast guide
+  (``docs/autocast.md``) gives the details.
 
   Args:
     fn: the function, e.g. a loss ``loss_fn(params, batch)``. Array arguments
@@ -901,9 +847,9 @@ def _autocast_function(fn, resolved, table, scopes, *, returns_state):
         if len(cache) > _CACHE_SIZE:
           cache.popitem(last=False)
     closed, out_tree, n_outputs = entry
-    prefix = _scope_names(jaxprs.current_name_stack())
     evaluator = _Evaluator(table, scopes)
-    outs, _ = evaluator.run_closed(closed, dynamic, [True] * len(dynamic), prefix)
+    outs, _ = evaluator.run_closed(closed, dynamic, [True] * len(dynamic),
+                                   jaxprs.current_name_stack())
     outs = [
         evaluator.cast(x, resolved.output_dtype if i < n_outputs else aval.dtype)
         if _is_floating(jnp.result_type(x)) else x

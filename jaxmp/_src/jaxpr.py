@@ -1,20 +1,25 @@
-"""The JAX internals jaxmp relies on, in one place.
+"""The JAX internals jaxmp relies on, and the one jaxpr evaluator.
 
-:func:`jaxmp.autocast`, the precision audit and the in-place select read or
-evaluate jaxprs again. They need a few things that JAX exposes only through
-``jax.extend`` or as attributes of its internal objects: the atoms of a jaxpr
-(``Literal``, ``Var``, ``DropVar``), the programs held in an equation's
-parameters, a primitive's bind parameters and the equation's context, the
-name stack of the trace, and the ``shard_map`` axes a value varies over. Each
-is touched here only, and ``tests/test_jaxpr.py`` (the canary) exercises them
-all against the installed JAX: when a release moves one, that test fails
+:func:`jaxmp.autocast`, the precision audit and the in-place select each
+evaluate a traced jaxpr again with a rule per equation (:func:`evaluate`):
+autocast binds each primitive on cast inputs, the audit computes facts about
+each value without binding anything, and the select binds each primitive as
+traced and selects the new optimizer state where it is produced. They need a
+few things that JAX exposes only through ``jax.extend`` or as attributes of
+its internal objects: the atoms of a jaxpr (``Literal``, ``Var``,
+``DropVar``), the programs held in an equation's parameters, a primitive's
+bind parameters and the equation's context, the name stack of the trace and
+an equation's source line, and the ``shard_map`` axes a value varies over.
+Each is touched here only, and ``tests/test_jaxpr.py`` (the canary) exercises
+them all against the installed JAX: when a release moves one, that test fails
 first and says which.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from jax.extend import core as _core
@@ -98,3 +103,72 @@ def manual_axes(aval: Any) -> frozenset:
   manual = getattr(aval, "manual_axis_type", None)
   return frozenset(getattr(aval, "vma", None) or getattr(manual, "varying", None)
                    or ())
+
+
+def name_parts(name_stack: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """The scopes (``jax.named_scope`` and Linen module names) and the
+  transforms (``jvp``, ``transpose``) of a name stack, outermost first."""
+  items = getattr(name_stack, "stack", ())
+  return (tuple(i.name for i in items if type(i).__name__ != "Transform"),
+          tuple(i.name for i in items if type(i).__name__ == "Transform"))
+
+
+def source_line(eqn: Any) -> str:
+  """The line that created ``eqn``, as JAX names it in its own messages: the
+  innermost frame outside JAX, ``"file.py:12:4 (function)"`` (no folder)."""
+  return os.path.basename(_source_info.summarize(eqn.source_info))
+
+
+def bind_rule(eqn: Any, invals: list[Any], name_stack: Any = None) -> list[Any]:
+  """The default rule of :func:`evaluate`: binds ``eqn``'s primitive on
+  ``invals`` in the context it was traced in."""
+  del name_stack  # the equation's own, under the current one
+  with equation_context(eqn):
+    return bind(eqn, invals)
+
+
+def evaluate(
+    jaxpr: Any,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    rule: Callable[[Any, list[Any], Any], list[Any]] = bind_rule,
+    *,
+    literal: Callable[[Any], Any] = lambda value: value,
+    name_stack: Any = None,
+) -> list[Any]:
+  """Evaluates an open ``jaxpr`` with a rule per equation; returns its outputs.
+
+  Args:
+    jaxpr: a ``Jaxpr`` (a ``ClosedJaxpr``'s is ``closed.jaxpr``, its
+      constants ``closed.consts``).
+    consts: the values of its constant variables.
+    args: the values of its inputs.
+    rule: ``rule(eqn, invals, name_stack) -> outvals``, called once per
+      equation in order, with the values of its inputs and its name stack
+      (``name_stack`` extended by the equation's own); it returns one value
+      per output variable. The default binds the primitive. A rule recurses
+      into the programs of an equation (``inner_jaxprs``) by calling
+      ``evaluate`` again, with the equation's name stack.
+    literal: the value of a literal constant, from the constant.
+    name_stack: the name stack ``jaxpr`` runs under (default: empty).
+
+  Values are whatever the rule computes: arrays, tracers, or facts about
+  them; the evaluator only stores and reads them.
+  """
+  env: dict[Any, Any] = {}
+
+  def read(atom):
+    return literal(atom.val) if is_literal(atom) else env[atom]
+
+  def write(variables, values):
+    for var, value in zip(variables, values, strict=True):
+      if not is_dropped(var):
+        env[var] = value
+
+  base = new_name_stack() if name_stack is None else name_stack
+  write(jaxpr.constvars, consts)
+  write(jaxpr.invars, args)
+  for eqn in jaxpr.eqns:
+    write(eqn.outvars, rule(eqn, [read(a) for a in eqn.invars],
+                            base + eqn.source_info.name_stack))
+  return [read(a) for a in jaxpr.outvars]

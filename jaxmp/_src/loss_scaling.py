@@ -87,9 +87,10 @@ def loss_scaling(
 
   The choice is made with ``jnp.where`` inside the inner update's elementwise
   pass: no host synchronisation, no ``lax.cond``, no extra copy of the
-  parameters or of the optimizer state. (The environment variable
-  ``JAXMP_INPLACE_SELECT=0`` switches to a plain ``optax.tree.where`` over the
-  new state: the same values, one more copy of the state per step.)
+  parameters or of the optimizer state. (On a CPU the select is placed inside
+  the inner update, where XLA would otherwise copy the state; on a GPU a plain
+  ``optax.tree.where`` over the new state, which XLA fuses there.
+  ``JAXMP_INPLACE_SELECT=1`` or ``0`` chooses one everywhere.)
 
   Wrap the whole optimizer (clipping, weight decay and schedules inside), so
   that clipping sees the unscaled gradients and nothing moves the parameters

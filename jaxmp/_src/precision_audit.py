@@ -7,9 +7,13 @@ the trace, inner jaxprs included (``jit``, ``scan``, ``while``, ``cond``,
 and output dtypes, shapes, FLOPs, pass (forward or backward), module path and
 source line.
 
-The Flax helpers run the same audit once per trace, through
-:func:`warn_on_first_trace`, and warn with a :class:`PrecisionWarning` when a
-half-precision policy ends up computing most of its matmul FLOPs in float32.
+The audit is an abstract evaluation of the jaxpr (:func:`jaxprs.evaluate`)
+whose values are facts about where each value's bits come from. With
+``audit=True``, :meth:`jaxmp.flax.TrainState.value_and_grad` runs it once per
+trace, through :func:`warn_on_first_trace`, and warns with a
+:class:`PrecisionWarning` when a half-precision policy ends up computing most
+of its matmul FLOPs in float32. What each cause means, and its fix, is on the
+guide page ``docs/precision-audit.md``.
 """
 
 from __future__ import annotations
@@ -19,9 +23,7 @@ import dataclasses
 import functools
 import inspect
 import math
-import os
 import sys
-import sysconfig
 import warnings
 from typing import Any, Callable, Iterable, NamedTuple
 
@@ -31,7 +33,7 @@ import numpy as np
 
 from jaxmp._src import jaxpr as jaxprs
 from jaxmp._src.policy import parse_dtype
-from jaxmp._src.validation import listing
+from jaxmp._src.validation import caller_stacklevel, listing
 
 DOT = "dot_general"
 CONV = "conv_general_dilated"
@@ -56,9 +58,6 @@ _REMAT_SCOPE = "rematted_computation"
 # a name scope ``jaxmp_declares_<dtype name or None>``: a module's own dtype
 # wins over the dtype of what it receives.
 _DECLARES = "jaxmp_declares_"
-# Packages whose frames are not the user's source line.
-_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "chex", "jaxmp", "equinox",
-              "haiku", "orbax", "numpy")
 
 
 def _is_float(dtype: Any) -> bool:
@@ -78,9 +77,9 @@ def _is_wide_float(dtype: Any) -> bool:
 class PrecisionWarning(UserWarning):
   """A half-precision policy that does not take effect: the matmuls run in float32.
 
-  :meth:`jaxmp.flax.TrainState.value_and_grad` raises it at trace time (once
-  per compilation), with the cause and the fix. Filter or escalate it with the
-  :mod:`warnings` module.
+  :meth:`jaxmp.flax.TrainState.value_and_grad` with ``audit=True`` raises it
+  at trace time (once per compilation), naming the cause and the layers.
+  Filter or escalate it with the :mod:`warnings` module.
 
   Example:
     >>> import warnings, jaxmp
@@ -118,20 +117,13 @@ class PrecisionOp:
     operands: for each input, the path of the argument of the function it is
       read from (through casts, reshapes and slices), e.g.
       ``"params/Dense_0/kernel"``; ``""`` for a computed value.
-    source: the innermost line of the user's code that created the op,
-      ``"file.py:12 (function)"``, outside JAX, Flax and jaxmp.
+    source: the line that created the op, as JAX names it in its own
+      messages (the innermost frame outside JAX), ``"file.py:12:4
+      (function)"``; for a Flax layer, the layer's line in Flax.
     cause: for an op with a float32 (or float64) input, why it is wide, when
-      the trace shows it: ``"recast"`` (an input was cast to 16 bits and back
-      up, or computed from such a value, as a Flax layer's own
-      ``dtype=jnp.float32`` does with params and inputs a policy cast; for a
-      Linen module, only one that declares a float32 dtype), ``"closure"``
-      (an input is computed from a floating array the function captures
-      instead of receiving it as an argument; never a PRNG key nor an
-      integer array), ``"mixed"`` (one input is 16-bit, the other 32-bit,
-      or a Linen module without a float32 dtype promoted its 16-bit params
-      to a float32 input: the op runs in the wider dtype, and that input
-      never got the compute dtype, as the parameter of a custom layer that
-      has no ``dtype``); ``""`` otherwise.
+      the trace shows it: ``"recast"``, ``"closure"`` or ``"mixed"`` (the
+      precision audit guide, ``docs/precision-audit.md``, says what each
+      means); ``""`` otherwise.
     captured: for ``cause == "closure"``, the type of the captured array,
       e.g. ``"float32[8,4]"``.
 
@@ -484,40 +476,6 @@ def _constant_facts(var: Any) -> _Facts:
                 captured=_aval_str(var.aval) if _is_float(dtype) else "")
 
 
-def _library_prefixes() -> tuple[str, ...]:
-  prefixes = []
-  for name in _LIBRARIES:
-    module = sys.modules.get(name)
-    file = getattr(module, "__file__", None)
-    if file:
-      prefixes.append(os.path.dirname(os.path.abspath(file)) + os.sep)
-  return tuple(prefixes)
-
-
-def _stdlib_prefixes() -> tuple[tuple[str, ...], tuple[str, ...]]:
-  paths = sysconfig.get_paths()
-  stdlib = {os.path.abspath(paths[k]) + os.sep for k in ("stdlib", "platstdlib")}
-  site = {os.path.abspath(paths[k]) + os.sep for k in ("purelib", "platlib")}
-  return tuple(stdlib), tuple(site)
-
-
-def _user_source(source_info: Any, libraries: tuple[str, ...],
-                 stdlib: tuple[tuple[str, ...], tuple[str, ...]]) -> str:
-  traceback = getattr(source_info, "traceback", None)
-  frames = getattr(traceback, "frames", None) or ()
-  for frame in frames:
-    file = frame.file_name
-    if file.startswith("<frozen"):
-      continue
-    path = os.path.abspath(file) if not file.startswith("<") else file
-    if path.startswith(libraries):
-      continue
-    if path.startswith(stdlib[0]) and not path.startswith(stdlib[1]):
-      continue
-    return f"{os.path.basename(file)}:{frame.line_num} ({frame.function_name})"
-  return ""
-
-
 def _dot_flops(eqn: Any) -> int:
   (lhs_contract, _), _ = eqn.params["dimension_numbers"]
   lhs_shape = eqn.invars[0].aval.shape
@@ -549,156 +507,117 @@ def _repeats(eqn: Any) -> int:
   return 1
 
 
-def _name_parts(name_stack: Any) -> tuple[list[str], list[str]]:
-  """The scopes (module names) and transforms (jvp, transpose) of a name stack."""
-  scopes, transforms = [], []
-  for item in getattr(name_stack, "stack", ()):
-    if type(item).__name__ == "Transform":
-      transforms.append(item.name)
-    else:
-      scopes.append(item.name)
-  return scopes, transforms
+def _walk(jaxpr: Any, consts: list[_Facts], ins: list[_Facts], name_stack: Any,
+          repeats: int, ops: list[PrecisionOp]) -> list[_Facts]:
+  """The facts of ``jaxpr``'s outputs; appends its matmuls and convs to ``ops``."""
 
-
-class _Walker:
-  """Walks a jaxpr and its inner jaxprs, recording each matmul and convolution."""
-
-  def __init__(self):
-    self.facts: dict[Any, _Facts] = {}
-    self.ops: list[PrecisionOp] = []
-    self.recast_from: set[str] = set()
-    self.libraries = _library_prefixes()
-    self.stdlib = _stdlib_prefixes()
-
-  def facts_of(self, atom: Any) -> _Facts:
-    if jaxprs.is_literal(atom):
-      return _NOTHING
-    return self.facts.get(atom, _NOTHING)
-
-  def walk(self, jaxpr: Any, name_stack: Any, repeats: int) -> None:
-    for eqn in jaxpr.eqns:
-      stack = name_stack + eqn.source_info.name_stack
-      ins = [self.facts_of(v) for v in eqn.invars]
-      name = eqn.primitive.name
-      if name in (DOT, CONV):
-        self.record(eqn, ins, stack, repeats)
-      subs = jaxprs.inner_jaxprs(eqn.params)
-      if subs:
-        outs = self.walk_inner(eqn, subs, ins, stack, repeats)
-      elif name == "convert_element_type":
-        outs = [self.convert(ins[0], eqn.invars[0].aval.dtype,
-                             eqn.outvars[0].aval.dtype)]
-      elif name in _MOVES and eqn.invars:
-        outs = [ins[0]] * len(eqn.outvars)
-      elif name in _PASS_THROUGH and len(eqn.invars) == len(eqn.outvars):
-        outs = ins
-      else:
-        outs = [_merge(ins, v.aval.dtype) for v in eqn.outvars]
-      for var, facts in zip(eqn.outvars, outs):
-        self.facts[var] = facts
-
-  def convert(self, facts: _Facts, source: Any, target: Any) -> _Facts:
-    if _is_narrow_float(target):
-      return _Facts(narrow_origin=bool(facts.path or facts.narrow_origin),
-                    path=facts.path)
-    if _is_wide_float(target) and _is_narrow_float(source):
-      recast = np.dtype(source).name if facts.narrow_origin else ""
-      return _Facts(recast=recast, path=facts.path)
-    if _is_wide_float(target) and _is_wide_float(source):
-      return facts
-    return _merge([facts], target)
-
-  def walk_inner(self, eqn, subs, ins, stack, repeats) -> list[_Facts]:
-    inner_repeats = repeats * _repeats(eqn)
-    results = []
-    for sub in subs:
-      for var in sub.constvars:
-        self.facts[var] = _constant_facts(var)
-      # Inner inputs are the eqn's last inputs, one for one (a cond's first
-      # input is the branch index; a while body's inputs follow the cond's).
-      offset = len(eqn.invars) - len(sub.invars)
-      for i, var in enumerate(sub.invars):
-        outer = eqn.invars[offset + i] if offset >= 0 else None
-        same = outer is not None and outer.aval.dtype == var.aval.dtype
-        self.facts[var] = ins[offset + i] if same else _NOTHING
-      self.walk(sub, stack, inner_repeats)
-      if len(sub.outvars) == len(eqn.outvars):
-        results.append([self.facts_of(v) for v in sub.outvars])
-    if results:
-      return [_join(list(column)) for column in zip(*results)]
+  def rule(eqn, ins, stack):
+    name = eqn.primitive.name
+    if name in (DOT, CONV):
+      ops.append(_record(eqn, ins, stack, repeats))
+    subs = jaxprs.inner_jaxprs(eqn.params)
+    if subs:
+      return _walk_inner(eqn, subs, ins, stack, repeats * _repeats(eqn), ops)
+    if name == "convert_element_type":
+      return [_convert(ins[0], eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype)]
+    if name in _MOVES and eqn.invars:
+      return [ins[0]] * len(eqn.outvars)
+    if name in _PASS_THROUGH and len(eqn.invars) == len(eqn.outvars):
+      return ins
     return [_merge(ins, v.aval.dtype) for v in eqn.outvars]
 
-  def record(self, eqn, ins, stack, repeats) -> None:
-    lhs, rhs = eqn.invars[:2]
-    out = eqn.outvars[0]
-    scopes, transforms = _name_parts(stack)
-    # Whether the innermost Linen module with a dtype declares a wide one
-    # (None outside Linen: unknown).
-    declared = [s[len(_DECLARES):] for s in scopes if s.startswith(_DECLARES)]
-    declares_wide = declared[-1] in ("float32", "float64") if declared else None
-    scopes = [s for s in scopes if not s.startswith(_DECLARES)]
-    if "transpose" in transforms:
-      direction = "recompute" if _REMAT_SCOPE in scopes else "backward"
-    else:
-      direction = "forward"
-    module = "/".join(s for s in scopes if s != _REMAT_SCOPE)
-    flops = _dot_flops(eqn) if eqn.primitive.name == DOT else _conv_flops(eqn)
-    operands = ins[:2]
-    dtypes = (lhs.aval.dtype, rhs.aval.dtype)
-    wide = [f for f, dtype in zip(operands, dtypes) if _is_wide_float(dtype)]
-    cause, captured = "", ""
-    if wide:
-      recast = any(f.recast for f in wide)
-      self.recast_from.update(f.recast for f in wide if f.recast)
-      captured = next((f.captured for f in wide if f.captured), "")
-      # In a module that declares float32: an input cast back up, or computed
-      # from one (attention scores), unless the other is a float32 argument
-      # read as it is (a param a rule keeps in float32).
-      declared_recast = recast or (
-          any(f.computed_from_recast for f in wide)
-          and not any(f.path and not f.recast for f in wide))
-      if declares_wide and declared_recast:  # the module's own dtype, first
-        cause, captured = "recast", ""
-      elif captured:
-        cause = "closure"
-      elif recast and declares_wide is None:
-        cause = "recast"
-      elif recast or any(_is_narrow_float(dtype) for dtype in dtypes):
-        # A module without a float32 dtype that promotes its 16-bit params
-        # to a float32 input, or an op of a 16-bit and a float32 input.
-        cause = "mixed"
-    self.ops.append(PrecisionOp(
-        primitive=eqn.primitive.name,
-        direction=direction,
-        lhs_dtype=np.dtype(lhs.aval.dtype),
-        rhs_dtype=np.dtype(rhs.aval.dtype),
-        out_dtype=np.dtype(out.aval.dtype),
-        lhs_shape=tuple(lhs.aval.shape),
-        rhs_shape=tuple(rhs.aval.shape),
-        out_shape=tuple(out.aval.shape),
-        flops=flops * repeats,
-        repeats=repeats,
-        module=module,
-        operands=(operands[0].path, operands[1].path),
-        source=_user_source(eqn.source_info, self.libraries, self.stdlib),
-        cause=cause,
-        captured=captured,
-    ))
+  return jaxprs.evaluate(jaxpr, consts, ins, rule, literal=lambda _: _NOTHING,
+                         name_stack=name_stack)
 
 
-def _audit(
-    call: Callable[[Any], Any], tree: Any, names: list[str]
-) -> tuple[PrecisionReport, set[str]]:
+def _convert(facts: _Facts, source: Any, target: Any) -> _Facts:
+  if _is_narrow_float(target):
+    return _Facts(narrow_origin=bool(facts.path or facts.narrow_origin),
+                  path=facts.path)
+  if _is_wide_float(target) and _is_narrow_float(source):
+    recast = np.dtype(source).name if facts.narrow_origin else ""
+    return _Facts(recast=recast, path=facts.path)
+  if _is_wide_float(target) and _is_wide_float(source):
+    return facts
+  return _merge([facts], target)
+
+
+def _walk_inner(eqn, subs, ins, stack, repeats, ops) -> list[_Facts]:
+  results = []
+  for sub in subs:
+    # Inner inputs are the eqn's last inputs, one for one (a cond's first
+    # input is the branch index; a while body's inputs follow the cond's).
+    offset = len(eqn.invars) - len(sub.invars)
+    args = [
+        ins[offset + i] if offset >= 0
+        and eqn.invars[offset + i].aval.dtype == var.aval.dtype else _NOTHING
+        for i, var in enumerate(sub.invars)]
+    outs = _walk(sub, [_constant_facts(v) for v in sub.constvars], args, stack,
+                 repeats, ops)
+    if len(outs) == len(eqn.outvars):
+      results.append(outs)
+  if results:
+    return [_join(list(column)) for column in zip(*results)]
+  return [_merge(ins, v.aval.dtype) for v in eqn.outvars]
+
+
+def _record(eqn, ins, stack, repeats) -> PrecisionOp:
+  lhs, rhs = eqn.invars[:2]
+  out = eqn.outvars[0]
+  scopes, transforms = jaxprs.name_parts(stack)
+  # Whether the innermost Linen module with a dtype declares a wide one
+  # (None outside Linen: unknown).
+  declared = [s[len(_DECLARES):] for s in scopes if s.startswith(_DECLARES)]
+  declares_wide = declared[-1] in ("float32", "float64") if declared else None
+  scopes = [s for s in scopes if not s.startswith(_DECLARES)]
+  if "transpose" in transforms:
+    direction = "recompute" if _REMAT_SCOPE in scopes else "backward"
+  else:
+    direction = "forward"
+  module = "/".join(s for s in scopes if s != _REMAT_SCOPE)
+  flops = _dot_flops(eqn) if eqn.primitive.name == DOT else _conv_flops(eqn)
+  operands = ins[:2]
+  dtypes = (lhs.aval.dtype, rhs.aval.dtype)
+  wide = [f for f, dtype in zip(operands, dtypes) if _is_wide_float(dtype)]
+  cause, captured = "", ""
+  if wide:
+    recast = any(f.recast for f in wide)
+    captured = next((f.captured for f in wide if f.captured), "")
+    # In a module that declares float32: an input cast back up, or computed
+    # from one (attention scores), unless the other is a float32 argument
+    # read as it is (a param a rule keeps in float32).
+    declared_recast = recast or (
+        any(f.computed_from_recast for f in wide)
+        and not any(f.path and not f.recast for f in wide))
+    if declares_wide and declared_recast:  # the module's own dtype, first
+      cause, captured = "recast", ""
+    elif captured:
+      cause = "closure"
+    elif recast and declares_wide is None:
+      cause = "recast"
+    elif recast or any(_is_narrow_float(dtype) for dtype in dtypes):
+      # A module without a float32 dtype that promotes its 16-bit params
+      # to a float32 input, or an op of a 16-bit and a float32 input.
+      cause = "mixed"
+  return PrecisionOp(
+      primitive=eqn.primitive.name, direction=direction,
+      lhs_dtype=np.dtype(lhs.aval.dtype), rhs_dtype=np.dtype(rhs.aval.dtype),
+      out_dtype=np.dtype(out.aval.dtype), lhs_shape=tuple(lhs.aval.shape),
+      rhs_shape=tuple(rhs.aval.shape), out_shape=tuple(out.aval.shape),
+      flops=flops * repeats, repeats=repeats, module=module,
+      operands=(operands[0].path, operands[1].path),
+      source=jaxprs.source_line(eqn), cause=cause, captured=captured)
+
+
+def _audit(call: Callable[[Any], Any], tree: Any, names: list[str]
+           ) -> PrecisionReport:
   closed, paths = _trace(call, tree, names)
-  walker = _Walker()
-  jaxpr = closed.jaxpr
-  for var in jaxpr.constvars:
-    walker.facts[var] = _constant_facts(var)
-  for var, path in zip(jaxpr.invars, paths):
-    walker.facts[var] = _Facts(
-        narrow_origin=_is_narrow_float(var.aval.dtype), path=path)
-  walker.walk(jaxpr, jaxprs.new_name_stack(), 1)
-  return PrecisionReport(tuple(walker.ops)), walker.recast_from
+  jaxpr, ops = closed.jaxpr, []
+  args = [_Facts(narrow_origin=_is_narrow_float(var.aval.dtype), path=path)
+          for var, path in zip(jaxpr.invars, paths)]
+  _walk(jaxpr, [_constant_facts(v) for v in jaxpr.constvars], args,
+        jaxprs.new_name_stack(), 1, ops)
+  return PrecisionReport(tuple(ops))
 
 
 def precision_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> PrecisionReport:
@@ -712,11 +631,6 @@ def precision_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Preci
   ``remat``, ``custom_jvp``/``custom_vjp`` and ``shard_map`` included; if
   ``fn`` computes gradients, the ops of the backward pass are reported too,
   with ``direction="backward"``.
-
-  Read the dtypes of a training step here rather than those of the params:
-  a Flax layer built with its own ``dtype=jnp.float32`` computes in float32
-  even when the params were cast to float16, and so does a model fed a
-  float32 array that the loss function captures by closure.
 
   Args:
     fn: the function, e.g. a loss function, ``jax.grad(loss_fn)`` or a whole
@@ -751,61 +665,17 @@ def precision_report(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Preci
         "jaxmp.precision_report(loss_fn, params, batch)."
     )
   names = _argument_names(fn, args, kwargs)
-  return _audit(_call_with(fn), (args, kwargs), names)[0]
+  return _audit(_call_with(fn), (args, kwargs), names)
 
 
 # ---------------------------------------------------------------------------
 # The trace-time check of the Flax helpers.
 
-# What each helper tells the user to do, per cause.
-_ADVICE = {
-    "TrainState.value_and_grad": {
-        "subject": "the policy computes in {dtype}",
-        "report": "jaxmp.precision_report(loss_fn, state.params, *batch)",
-        "recast": (
-            "Fix: TrainState.create(..., autocast=True), or the policy "
-            "jaxmp.flax.ModulePolicy(..., override_dtype=True) if the loss "
-            "calls the model wrapped by the state's policy "
-            "(state.policy.wrap_apply(model.apply))."
-        ),
-        "closure": (
-            "Fix: call the model through state.policy.wrap_apply(model.apply), "
-            "which casts its floating inputs, or "
-            "TrainState.create(..., autocast=True)."
-        ),
-        "mixed": (
-            "Fix: call the model through state.policy.wrap_apply(model.apply), "
-            "which casts its floating inputs, or "
-            "TrainState.create(..., autocast=True); if a rule of the policy "
-            "keeps that input in float32 on purpose, ignore this."
-        ),
-    },
-}
-
-_CAUSE_TEXT = {
-    "recast": (
-        "cast back to {wide} inside {where}: the modules declare "
-        "dtype={wide}, which wins over the {dtype} params and inputs they "
-        "receive."
-    ),
-    "closure": (
-        "fed by a {wide} array that the loss function captures by closure "
-        "({captured}), in {where}."
-    ),
-    "mixed": (
-        "computed from a {dtype} and a {wide} input, in {where}: the {wide} "
-        "input, never cast to {dtype}, makes them run in {wide}."
-    ),
-}
-
-
 def _names(ops: Iterable[PrecisionOp]) -> str:
   return listing(dict.fromkeys(op.where for op in ops))
 
 
-def _warning_text(
-    report: PrecisionReport, compute_dtype: Any, caller: str
-) -> str | None:
+def _warning_text(report: PrecisionReport, compute_dtype: Any) -> str | None:
   """The text of the :class:`PrecisionWarning` for ``report``, or ``None``.
 
   ``None`` unless ``compute_dtype`` is float16 or bfloat16, fewer than
@@ -835,36 +705,22 @@ def _warning_text(
   elsewhere = ", ".join(
       f"{100 * flops / total:.0f}% in {key}"
       for key, flops in sorted(by_pair.items(), key=lambda item: -item[1]))
-  short = {"float16": "mixed_float16", "bfloat16": "mixed_bfloat16"}[dtype.name]
-  advice = _ADVICE[caller]
   lines = [
-      f"{caller}: {advice['subject'].format(dtype=dtype.name)}, but only "
-      f"{100 * inside / total:.0f}% of the matmul and convolution FLOPs of the "
-      f"loss function run in {dtype.name} ({elsewhere}). {dtype.name} does "
-      "not take effect here:"
-  ]
-  for cause in ("closure", "recast", "mixed"):
+      f"TrainState.value_and_grad(audit=True): the policy computes in "
+      f"{dtype.name}, but only {100 * inside / total:.0f}% of the matmul and "
+      f"convolution FLOPs of the loss function run in it ({elsewhere}):"]
+  for cause in ("closure", "recast", "mixed", ""):
     hit = [op for op in outside if op.cause == cause]
-    if not hit:
-      continue
-    wide = hit[0].lhs_dtype.name if _is_wide_float(hit[0].lhs_dtype) else hit[0].rhs_dtype.name
-    captured = ", ".join(dict.fromkeys(op.captured for op in hit if op.captured))
-    text = _CAUSE_TEXT[cause].format(
-        wide=wide, dtype=dtype.name, where=_names(hit), captured=captured)
-    fix = advice[cause].format(dtype=dtype.name, policy=short)
-    lines.append(f"  - {100 * sum(op.flops for op in hit) / total:.0f}% of the "
-                 f"FLOPs: {text} {fix}")
-  other = [op for op in outside if not op.cause]
-  if other:
-    lines.append(
-        f"  - {100 * sum(op.flops for op in other) / total:.0f}% of the FLOPs "
-        f"run outside {dtype.name} for no reason the trace shows (in "
-        f"{_names(other)}); if a rule keeps them in float32 on purpose, that "
-        "is expected.")
+    if hit:
+      captured = ", ".join(dict.fromkeys(op.captured for op in hit if op.captured))
+      lines.append(
+          f"  - {100 * sum(op.flops for op in hit) / total:.0f}% of the FLOPs: "
+          + (f"cause {cause!r}" if cause else "no cause the trace shows")
+          + (f" ({captured})" if captured else "") + f", in {_names(hit)}")
   lines.append(
-      f"{advice['report']} lists every op with its dtypes. To silence this "
-      "warning: warnings.filterwarnings('ignore', "
-      "category=jaxmp.PrecisionWarning).")
+      "The precision audit guide (docs/precision-audit.md, 'The causes') says "
+      "what each cause means and how to fix it; "
+      "jaxmp.precision_report(loss_fn, state.params, *batch) lists every op.")
   return "\n".join(lines)
 
 
@@ -890,7 +746,6 @@ def warn_on_first_trace(
     audited_fn: Callable[..., Any],
     *,
     compute_dtype: Any,
-    caller: str,
     names_from: Callable[..., Any] | None = None,
 ) -> Callable[..., Any]:
   """Returns ``grad_fn`` that, once per new argument signature, audits ``audited_fn``.
@@ -900,15 +755,14 @@ def warn_on_first_trace(
   ``audited_fn`` (the forward loss, not its gradient) on the same arguments
   with :func:`jax.make_jaxpr` and warns with a :class:`PrecisionWarning`
   when a half-precision compute dtype does not take effect. It runs nothing
-  on the device and transfers nothing.
+  on the device and transfers nothing. ``TrainState.value_and_grad(...,
+  audit=True)`` is its one caller.
 
   Args:
     grad_fn: the function to return, wrapped.
     audited_fn: the function whose matmuls are audited, called with the same
       arguments as ``grad_fn``.
     compute_dtype: the policy's compute dtype.
-    caller: the helper's name, ``"TrainState.value_and_grad"``: it opens the
-      warning and selects the advice.
     names_from: the function whose signature names the arguments (default
       ``audited_fn``).
   """
@@ -920,14 +774,13 @@ def warn_on_first_trace(
     key = _signature(args, kwargs)
     if key not in seen:
       seen.add(key)
-      call, tree = _call_with(audited_fn), (args, kwargs)
       names = _argument_names(names_from or audited_fn, args, kwargs)
       with warnings.catch_warnings():  # grad_fn's trace gave them already
         warnings.simplefilter("ignore", PrecisionWarning)
-        report, _ = _audit(call, tree, names)
-      text = _warning_text(report, compute_dtype, caller)
+        report = _audit(_call_with(audited_fn), (args, kwargs), names)
+      text = _warning_text(report, compute_dtype)
       if text is not None:
-        warnings.warn(text, PrecisionWarning, stacklevel=2)
+        warnings.warn(text, PrecisionWarning, stacklevel=caller_stacklevel())
     return out
 
   return checked

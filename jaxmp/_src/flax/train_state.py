@@ -339,7 +339,8 @@ class TrainState(train_state.TrainState):
     return loss_scaling_metrics(self.opt_state)
 
   def value_and_grad(
-      self, loss_fn: Callable[..., Any], has_aux: bool = False,
+      self, loss_fn: Callable[..., Any], has_aux: bool = False, *,
+      audit: bool = False,
   ) -> Callable[..., Any]:
     """Returns a function of ``(params, *args, **kwargs)`` giving loss and grads.
 
@@ -357,16 +358,16 @@ class TrainState(train_state.TrainState):
     with respect to ``params``, in the params' own dtype, ready for
     :meth:`apply_gradients`.
 
-    The first call with given shapes (under ``jit``: once per compilation)
-    also traces the forward pass once more, as :func:`jaxmp.precision_report`
-    does (running nothing), and warns with a :class:`jaxmp.PrecisionWarning` when a 16-bit
-    policy does not take effect (a layer's own ``dtype=jnp.float32``, a
-    float32 batch captured by ``loss_fn``'s closure).
-
     Args:
       loss_fn: ``loss_fn(params, *args, **kwargs)`` returning a scalar loss,
         or ``(loss, aux)`` when ``has_aux``.
       has_aux: whether ``loss_fn`` returns auxiliary data.
+      audit: if true, the first call with given shapes (under ``jit``: once
+        per compilation) traces the forward pass once more, as
+        :func:`jaxmp.precision_report` does (running nothing), and warns with
+        a :class:`jaxmp.PrecisionWarning` when a 16-bit policy does not take
+        effect (a layer's own ``dtype=jnp.float32``, a float32 batch captured
+        by ``loss_fn``'s closure). Off by default: no extra trace.
 
     With FP8 meta (``state.fp8_meta``), each ``state.apply_fn`` call inside
     ``loss_fn`` receives the meta (call it with ``{"params": params}``), with
@@ -414,21 +415,22 @@ class TrainState(train_state.TrainState):
       def run(params, *args, **kwargs):  # noqa: F811
         return io_policy.cast_to_output(cast_loss(params, *args, **kwargs))
 
+    audit = check_bool("TrainState.value_and_grad", "audit", audit)
     if self.fp8_meta is not None:
-      return _fp8_value_and_grad(self, run, loss_fn, has_aux, io_policy)
+      return _fp8_value_and_grad(self, run, loss_fn, has_aux, io_policy, audit)
 
     grad_fn = scale_then_differentiate(
         jax.value_and_grad, run, self.loss_scale, argnums=0, has_aux=has_aux,
         caller="TrainState.value_and_grad",
         state_hint="It reads the state's own loss scale.")
-    # At trace time, once per compilation: warn if the policy does not take
-    # effect (docs/precision-audit.md).
+    # If asked, at trace time, once per compilation: warn if the policy does
+    # not take effect (docs/precision-audit.md).
     return warn_on_first_trace(
         grad_fn, run, compute_dtype=io_policy.compute_dtype,
-        caller="TrainState.value_and_grad", names_from=loss_fn)
+        names_from=loss_fn) if audit else grad_fn
 
 
-def _fp8_value_and_grad(self, run, loss_fn, has_aux, io_policy):
+def _fp8_value_and_grad(self, run, loss_fn, has_aux, io_policy, audit):
   """:meth:`TrainState.value_and_grad` with the FP8 meta differentiated too.
 
   ``run(params, *args, **kwargs)`` is the policy's loss. The meta is
@@ -462,8 +464,8 @@ def _fp8_value_and_grad(self, run, loss_fn, has_aux, io_policy):
 
   return warn_on_first_trace(
       fp8_grad_fn, lambda params, *a, **k: run_with_meta((params, meta), *a, **k),
-      compute_dtype=io_policy.compute_dtype, caller="TrainState.value_and_grad",
-      names_from=loss_fn)
+      compute_dtype=io_policy.compute_dtype, names_from=loss_fn
+  ) if audit else fp8_grad_fn
 
 
 def _check_fp8_arguments(policy: Any, params: Any, fp8_meta: Any,
