@@ -66,7 +66,7 @@ def test_a_dot_with_its_dtypes_shapes_flops_operands_and_source():
   params, x = {"w": jnp.ones((3, 5))}, jnp.ones((4, 3))
   report = jaxmp.precision_report(loss, params, x)
   op, = report.ops
-  assert op == jaxmp.PrecisionOp(
+  assert op == type(op)(
       primitive="dot_general", direction="forward", lhs_dtype=F16,
       rhs_dtype=F16, out_dtype=F16, lhs_shape=(4, 3), rhs_shape=(3, 5),
       out_shape=(4, 5), flops=2 * 4 * 5 * 3, repeats=1, module="",
