@@ -174,7 +174,8 @@ class PrecisionReport:
   the share of the FLOPs in each pair of input dtypes, then one line per op.
 
   Attributes:
-    ops: a tuple of :class:`jaxmp.PrecisionOp`, in trace order.
+    ops: a tuple of :class:`PrecisionOp` (one per op: its dtypes, shapes, FLOPs and
+      where it runs), in trace order.
 
   Example:
     >>> import jax, jax.numpy as jnp, jaxmp
