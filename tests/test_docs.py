@@ -39,35 +39,30 @@ DOCS = ROOT / "docs"
 sys.path.insert(0, str(DOCS / "hooks"))
 import api_coverage  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
-# The guide pages (source files in docs/) that the site must contain and
-# list in its navigation: the ten page groups of the documentation.
+# The pages (source files in docs/) that the site must contain and list in its
+# navigation: the ten guide pages a newcomer follows in order (Getting started,
+# one page per framework with the same sections, then the topics), the
+# guarantees, and the contributors' architecture page.
 GUIDE_PAGES = (
     "index.md",  # Getting started
-    "policies.md",
+    "optax.md",  # optax, Equinox and Haiku
+    "linen.md",
+    "nnx.md",
     "loss-scaling.md",
-    "optax.md",
-    "flax.md",
-    "distributed.md",
+    "autocast.md",  # Policies and autocast
     "diagnostics.md",
-    "when-fp16-fails.md",
-    "migration-deepspeed.md",
-    "migration-pytorch.md",
-    "migration-jmp.md",
-    "migration-flax.md",
-    "equinox.md",
-    "precision-audit.md",
-    "autocast.md",
-    "fp8.md",
-    "architecture.md",
+    "migration.md",
     "faq.md",
+    "benchmarks.md",
     "guarantees.md",
+    "architecture.md",
 )
 # Pages still being written: checked like the others once they exist. Move
 # them to GUIDE_PAGES (and into the nav of mkdocs.yml) when they land.
-PENDING_PAGES = ("demo.md", "benchmarks.md")
+PENDING_PAGES: tuple[str, ...] = ()
 # Pages whose code is user code that relies on standard dtype promotion.
 STANDARD_PROMOTION_PAGES = {
-    "migration-jmp.md": "jmp's README loop, unchanged, subtracts a float32 target "
+    "migration.md": "jmp's README loop, unchanged, subtracts a float32 target "
                         "from a float16 prediction",
 }
 NOT_SOURCE = ("hooks", "scripts")  # folders of docs/ that hold no pages

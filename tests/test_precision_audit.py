@@ -277,7 +277,7 @@ def test_a_model_with_its_own_float32_dtype_warns_naming_the_layers_and_the_fix(
   # fixes are.
   assert "0%" in text and "100% in float32" in text
   assert "'recast', in MLP/hidden, MLP/Dense_0" in text
-  assert "precision-audit.md" in text
+  assert "diagnostics.md" in text
   assert record[0].filename == __file__  # points at the call in the step
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", jaxmp.PrecisionWarning)

@@ -112,7 +112,7 @@ def loss_scaling(
       would), and the finiteness flag is taken from the same reduction: the
       check costs no extra read of the gradients. Use it instead of
       ``optax.clip_by_global_norm`` inside ``inner``. The norm is summed in
-      float32 and is safe against overflow (see docs/optax.md).
+      float32 and is safe against overflow (see docs/loss-scaling.md).
     guard: whether to check the gradients and skip non-finite steps (default
       True). ``guard=False`` is only allowed with a
       :class:`jaxmp.NoOpLossScale` (bfloat16 or float32 training): the step

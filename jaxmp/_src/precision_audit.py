@@ -13,7 +13,7 @@ whose values are facts about where each value's bits come from. With
 trace, through :func:`warn_on_first_trace`, and warns with a
 :class:`PrecisionWarning` when a half-precision policy ends up computing most
 of its matmul FLOPs in float32. What each cause means, and its fix, is on the
-guide page ``docs/precision-audit.md``.
+guide page ``docs/diagnostics.md``.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class PrecisionOp:
       (function)"``; for a Flax layer, the layer's line in Flax.
     cause: for an op with a float32 (or float64) input, why it is wide, when
       the trace shows it: ``"recast"``, ``"closure"`` or ``"mixed"`` (the
-      precision audit guide, ``docs/precision-audit.md``, says what each
+      precision audit guide, ``docs/diagnostics.md``, says what each
       means); ``""`` otherwise.
     captured: for ``cause == "closure"``, the type of the captured array,
       e.g. ``"float32[8,4]"``.
@@ -719,7 +719,7 @@ def _warning_text(report: PrecisionReport, compute_dtype: Any) -> str | None:
           + (f"cause {cause!r}" if cause else "no cause the trace shows")
           + (f" ({captured})" if captured else "") + f", in {_names(hit)}")
   lines.append(
-      "The precision audit guide (docs/precision-audit.md, 'The causes') says "
+      "The diagnostics guide (docs/diagnostics.md, 'The causes') says "
       "what each cause means and how to fix it; "
       "jaxmp.precision_report(loss_fn, state.params, *batch) lists every op.")
   return "\n".join(lines)

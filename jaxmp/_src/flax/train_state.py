@@ -424,7 +424,7 @@ class TrainState(train_state.TrainState):
         caller="TrainState.value_and_grad",
         state_hint="It reads the state's own loss scale.")
     # If asked, at trace time, once per compilation: warn if the policy does
-    # not take effect (docs/precision-audit.md).
+    # not take effect (docs/diagnostics.md).
     return warn_on_first_trace(
         grad_fn, run, compute_dtype=io_policy.compute_dtype,
         names_from=loss_fn) if audit else grad_fn
