@@ -36,8 +36,7 @@ def default_loss_scale(policy: Any) -> LossScale:
   float16 or a float8 type, whose gradients underflow without scaling;
   ``jaxmp.NoOpLossScale()`` otherwise (float32, bfloat16), where scaling
   would only cost time. :meth:`jaxmp.flax.TrainState.create` uses it when no
-  ``loss_scale`` is given; elsewhere write ``jaxmp.DynamicLossScale() if
-  policy.needs_loss_scaling else jaxmp.NoOpLossScale()``.
+  ``loss_scale`` is given.
 
   Args:
     policy: anything :func:`jaxmp.get_policy` takes (``"mixed_float16"``,
@@ -53,6 +52,13 @@ def default_loss_scale(policy: Any) -> LossScale:
     ValueError: if ``policy`` is a string :func:`jaxmp.get_policy` refuses.
     TypeError: if ``policy`` is neither a policy nor a string.
 
+  Example:
+    >>> import jaxmp
+    >>> loss_scale = jaxmp.default_loss_scale("mixed_float16")
+    >>> type(loss_scale).__name__, float(loss_scale.loss_scale), loss_scale.period
+    ('DynamicLossScale', 32768.0, 2000)
+    >>> type(jaxmp.default_loss_scale("mixed_bfloat16")).__name__
+    'NoOpLossScale'
   """
   if as_policy(policy).needs_loss_scaling:
     return DynamicLossScale()

@@ -134,6 +134,7 @@ class TrainState(train_state.TrainState):
         (``"mixed_fp8"``) is applied as ``jaxmp.flax.ModulePolicy({},
         default=policy)``.
       loss_scale: the initial loss scale. Default:
+        :func:`jaxmp.default_loss_scale` of the policy, that is
         ``jaxmp.DynamicLossScale()`` when the policy computes in float16 (or
         float8), else ``jaxmp.NoOpLossScale()``.
       axis_name: inside ``pmap`` or ``shard_map``, the axis name (or tuple of
