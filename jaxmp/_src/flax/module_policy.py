@@ -23,7 +23,7 @@ import numpy as np
 from flax import struct
 from flax.core import meta
 
-from jaxmp._src.flax.fp8 import fp8_dot_general_cls, fp8_einsum_call, uses_fp8
+from jaxmp._src.flax.fp8 import fp8_dot_general_cls, uses_fp8
 from jaxmp._src.flax.fp8_nnx import attach_fp8_op
 from jaxmp._src.precision_audit import PrecisionWarning
 from jaxmp._src.policy import (
@@ -41,13 +41,18 @@ from jaxmp._src.rules import (
 )
 from jaxmp._src.validation import listing
 
-class _Running:
-  """The policies of the Linen module methods now running in one wrapped
-  call, innermost last: made per call and handed to its interceptor and its
-  parameters, so no state outlives the call or is shared between threads."""
+class _Call:
+  """What one wrapped Linen call keeps: made per call and handed to its
+  interceptor and its parameters, so nothing outlives the call or is shared
+  between threads."""
 
   def __init__(self):
+    # The policies of the module methods now running, innermost last.
     self.policies: list[Policy | None] = []
+    # The copies of modules made to run with the policy's fields, by id.
+    self.clones: dict[int, Any] = {}
+    # The modules whose declared dtype defeats their rule, by path.
+    self.defeated: dict[str, str] = {}
 
 
 class _CastOnRead(struct.PyTreeNode, meta.AxisMetadata):
@@ -59,7 +64,7 @@ class _CastOnRead(struct.PyTreeNode, meta.AxisMetadata):
   """
 
   value: Any
-  running: _Running = struct.field(pytree_node=False)
+  running: _Call = struct.field(pytree_node=False)
 
   def unbox(self) -> Any:
     value = meta.unbox(self.value)
@@ -81,7 +86,7 @@ class _CastOnRead(struct.PyTreeNode, meta.AxisMetadata):
     return self
 
 
-def _box_params(params: Any, running: _Running) -> Any:
+def _box_params(params: Any, running: _Call) -> Any:
   def box(x):
     if isinstance(x, meta.AxisMetadata) or is_floating_array(x):
       return _CastOnRead(x, running)
@@ -330,55 +335,60 @@ class ModulePolicy(RuleTablePolicy):
     scopes = {re.escape(tag): policy for policy, tag in self._scope_tags().items()}
     return tagged, scopes
 
-  def _intercept(self, running, defeated, next_fun, args, kwargs, context):
-    module = context.module
-    scope = module.scope
-    path = "/".join(scope.path) if scope is not None else ""
-    stack = running.policies
-    outermost = not stack
-    own = self.rule_for(module, module.name, path)
-    if own is not None:
-      policy = own
-    elif stack:
-      policy = stack[-1]
-    else:
-      policy = self.default
-    override = policy is not None and self._overrides_dtype(module)
-    if override:
-      declared = module.dtype
-      # Linen modules are frozen dataclasses; the bound module is a clone
-      # made for this call, and its declared dtype is restored below.
-      object.__setattr__(module, "dtype", policy.compute_dtype)
-    # Under an FP8 policy a Dense layer calls Flax's FP8 op, and an Einsum
-    # computes through Flax's Fp8Einsum (docs/fp8.md).
+  def _fields(self, module: Any, policy: Policy | None) -> dict[str, Any]:
+    """The fields ``module`` runs with under ``policy``, where they differ."""
+    if policy is None:
+      return {}
+    fields = {}
+    if self._overrides_dtype(module) and module.dtype != policy.compute_dtype:
+      fields["dtype"] = policy.compute_dtype
     fp8_cls = fp8_dot_general_cls(module, policy)
     if fp8_cls is not None:
-      object.__setattr__(module, "dot_general_cls", fp8_cls)
-    call = fp8_einsum_call(module, policy, context.method_name) or next_fun
+      fields["dot_general_cls"] = fp8_cls
+    return fields
+
+  def _intercept(self, call, next_fun, args, kwargs, context):
+    module = context.module
+    if id(module) in call.clones:  # a copy made below, already set up
+      return next_fun(*args, **kwargs)
+    scope = module.scope
+    path = "/".join(scope.path) if scope is not None else ""
+    stack = call.policies
+    outermost = not stack
+    own = self.rule_for(module, module.name, path)
+    policy = own if own is not None else stack[-1] if stack else self.default
+    setup = context.method_name == "setup"
+    fields = {} if setup else self._fields(module, policy)
+    method = None
+    if fields:
+      # Linen modules are frozen: a copy with the policy's fields runs the
+      # method instead, bound to the same variables and RNGs (a scope with
+      # the same path, so the same variables, with its own reservations of
+      # names, so its setup and submodules do not clash with the module's).
+      clone = module.clone(parent=scope.rewound(), **fields)
+      method = getattr(clone, context.method_name, None)
+      if method is not None:
+        call.clones[id(clone)] = clone
+    run = method or next_fun
     stack.append(policy)
     try:
       # In model.init nothing is cast: the params are created in their
       # param_dtype as the inputs arrive, and only the variables are kept.
-      if (policy is None or context.method_name == "setup"
-          or module.is_initializing()):
-        return call(*args, **kwargs)
+      if policy is None or setup or module.is_initializing():
+        return run(*args, **kwargs)
       # A rule's policy (the module's own, or an enclosing module's) that the
       # module's declared dtype defeats; autocast casts each op instead.
-      if not (override or self.tag_scopes) and (
+      if not (self._overrides_dtype(module) or self.tag_scopes) and (
           own is not None or policy is not self.default):
-        _note_defeated_rule(defeated, module, path, policy)
+        _note_defeated_rule(call.defeated, module, path, policy)
       args, kwargs = policy.cast_to_compute((args, kwargs))
       if own is not None and self.tag_scopes:
         with jax.named_scope(self._scope_tags()[own]):
-          out = call(*args, **kwargs)
+          out = run(*args, **kwargs)
       else:
-        out = call(*args, **kwargs)
+        out = run(*args, **kwargs)
     finally:
       stack.pop()
-      if override:
-        object.__setattr__(module, "dtype", declared)
-      if fp8_cls is not None:
-        object.__setattr__(module, "dot_general_cls", None)
     if own is not None or outermost:
       out = policy.cast_to_output(out)
     return out
@@ -538,12 +548,12 @@ def _apply_under_modules(policy: ModulePolicy, apply_fn: Callable[..., Any],
   """``apply_fn(variables, *args, **kwargs)`` under the module policy."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
-  running = _Running()
+  call = _Call()  # per call: under jit, once per trace
   if isinstance(variables, Mapping) and "params" in variables:
-    variables = {**variables, "params": _box_params(variables["params"], running)}
-  defeated: dict[str, str] = {}  # per call: under jit, once per trace
-  with nn.intercept_methods(functools.partial(policy._intercept, running, defeated)):  # pylint: disable=protected-access
+    variables = {**variables, "params": _box_params(variables["params"], call)}
+  with nn.intercept_methods(functools.partial(policy._intercept, call)):  # pylint: disable=protected-access
     result = apply_fn(variables, *args, **kwargs)
+  defeated = call.defeated
   if defeated:
     warnings.warn(
         "ModulePolicy: a module's own dtype wins over the policy its rule "
