@@ -11,6 +11,7 @@ applied to a Linen model's ``apply`` with :meth:`ModulePolicy.wrap_apply` (an
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -49,8 +50,9 @@ class _Call:
   def __init__(self):
     # The policies of the module methods now running, innermost last.
     self.policies: list[Policy | None] = []
-    # The copies of modules made to run with the policy's fields, by id.
-    self.clones: dict[int, Any] = {}
+    # The copies of modules made to run with the policy's fields, by id:
+    # (copy, the method it runs, what turns Flax's call names back on).
+    self.clones: dict[int, tuple[Any, str, contextlib.ExitStack]] = {}
     # The modules whose declared dtype defeats their rule, by path.
     self.defeated: dict[str, str] = {}
 
@@ -349,7 +351,10 @@ class ModulePolicy(RuleTablePolicy):
 
   def _intercept(self, call, next_fun, args, kwargs, context):
     module = context.module
-    if id(module) in call.clones:  # a copy made below, already set up
+    copy_of = call.clones.get(id(module))
+    if copy_of is not None:  # a copy made below: it has the policy's fields
+      if context.method_name == copy_of[1]:
+        copy_of[2].close()  # its call has begun: name calls again
       return next_fun(*args, **kwargs)
     scope = module.scope
     path = "/".join(scope.path) if scope is not None else ""
@@ -359,17 +364,8 @@ class ModulePolicy(RuleTablePolicy):
     policy = own if own is not None else stack[-1] if stack else self.default
     setup = context.method_name == "setup"
     fields = {} if setup else self._fields(module, policy)
-    method = None
-    if fields:
-      # Linen modules are frozen: a copy with the policy's fields runs the
-      # method instead, bound to the same variables and RNGs (a scope with
-      # the same path, so the same variables, with its own reservations of
-      # names, so its setup and submodules do not clash with the module's).
-      clone = module.clone(parent=scope.rewound(), **fields)
-      method = getattr(clone, context.method_name, None)
-      if method is not None:
-        call.clones[id(clone)] = clone
-    run = method or next_fun
+    run = (_method_of_copy(call, module, context.method_name, fields)
+           if fields else None) or next_fun
     stack.append(policy)
     try:
       # In model.init nothing is cast: the params are created in their
@@ -563,6 +559,33 @@ def _apply_under_modules(policy: ModulePolicy, apply_fn: Callable[..., Any],
   if policy.default is None:
     return result
   return cast_apply_output(policy.default, result, kwargs)
+
+
+def _method_of_copy(call: _Call, module: Any, method_name: str,
+                    fields: dict[str, Any]) -> Callable[..., Any] | None:
+  """``module``'s method on a copy of it with ``fields``, or ``None``.
+
+  Linen modules are frozen, so the copy runs the call instead: bound to a
+  scope with the module's path (the same variables and RNG streams) and its
+  own reservations of names, so its setup and submodules do not clash with
+  the module's. Flax has already named the module's call; the copy's adds no
+  second name (``nn.override_named_call`` until the copy's call begins), so
+  the name stack reads as it does without the policy.
+  """
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  clone = module.clone(parent=module.scope.rewound(), **fields)
+  method = getattr(clone, method_name, None)
+  if method is None:  # a function given to apply(method=...): run as it is
+    return None
+
+  def run(*args, **kwargs):
+    with contextlib.ExitStack() as unnamed:
+      unnamed.enter_context(nn.override_named_call(False))
+      call.clones[id(clone)] = (clone, method_name, unnamed)
+      return method(*args, **kwargs)
+
+  return run
 
 
 def _note_defeated_rule(defeated: dict[str, str], module: Any, path: str,
