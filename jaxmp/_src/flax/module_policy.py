@@ -183,24 +183,27 @@ class ModulePolicy(RuleTablePolicy):
   **A model's own** ``dtype``: a layer built with ``dtype=jnp.float32`` (as
   most published Flax models do: ``dtype: Any = jnp.float32`` passed to every
   layer) computes in float32 whatever it receives. ``override_dtype=True``
-  makes the policy win: while a module that has a ``dtype`` attribute runs,
-  its ``dtype`` is its policy's compute dtype (``param_dtype`` is left alone,
-  so the master params stay as they are stored). A tuple of classes limits
-  the override to their instances. ``ModulePolicy({}, default="mixed_float16",
+  makes the policy win: a module that has a ``dtype`` attribute runs with its
+  policy's compute dtype (``param_dtype`` is left alone, so the master params
+  stay as they are stored). A tuple of classes limits the override to their
+  instances. ``ModulePolicy({}, default="mixed_float16",
   override_dtype=True)`` is then "mixed_float16 for the whole model".
+  Linen modules are frozen, so such a module runs as a copy with the
+  policy's fields (``module.clone``), bound to the module's variables and
+  RNGs; the model's own modules are never changed. With
+  ``capture_intermediates``, the call of such a copy is recorded too.
 
   **FP8**: a rule's policy, or the default, may be an :class:`jaxmp.Fp8Policy`
   (``"mixed_fp8"``). Each ``nn.Dense`` and ``nn.DenseGeneral`` running under
-  it then calls Flax's ``fp8_ops.Fp8DirectDotGeneralOp`` (set as its
-  ``dot_general_cls`` while it runs), whose scales and amax histories live in
-  the collection ``"_overwrite_with_gradient"``; wrap ``model.init`` too
-  (``policy.wrap_apply(model.init)``, which injects the ops but casts
-  nothing) to create them. An ``nn.Einsum`` computes through Flax's
-  ``fp8_ops.Fp8Einsum`` (a child ``Fp8Einsum_0``; its params stay those of
-  the model without FP8). Other modules run in the base compute dtype; a
-  Dense layer with its own ``dot_general``, and a subclass of ``nn.Einsum``
-  with its own ``__call__``, are refused. NNX models get their FP8 ops from
-  :meth:`set_nnx_dtypes`.
+  it then calls Flax's ``fp8_ops.Fp8DirectDotGeneralOp`` (its
+  ``dot_general_cls`` in the copy that runs), whose scales and amax histories
+  live in the collection ``"_overwrite_with_gradient"``; wrap ``model.init``
+  too (``policy.wrap_apply(model.init)``, which injects the ops but casts
+  nothing) to create them. Other modules run in the base compute dtype. A
+  Dense layer with its own ``dot_general`` is refused, and so is an
+  ``nn.Einsum``, which takes no ``dot_general_cls`` in Linen: give it a rule
+  with a policy without FP8, or use ``nn.DenseGeneral``. NNX models get
+  their FP8 ops from :meth:`set_nnx_dtypes`.
 
   **NNX** (:meth:`set_nnx_dtypes`): each module that has a ``dtype`` attribute
   (``nnx.Linear``, ``nnx.Conv``, ``nnx.LayerNorm``, ``nnx.BatchNorm``,
@@ -220,9 +223,9 @@ class ModulePolicy(RuleTablePolicy):
       :func:`jaxmp.get_policy` takes), or ``None`` to leave them alone.
       Default ``"float32"``.
     first_match: resolve overlapping rules by their order instead of raising.
-    override_dtype: Linen only: ``True`` to set the ``dtype`` of every module
-      that has one to its policy's compute dtype while it runs, a tuple of
-      module classes to do so for their instances only, ``False`` (the
+    override_dtype: Linen only: ``True`` to run every module that has a
+      ``dtype`` with its policy's compute dtype, a tuple of module classes
+      to do so for their instances only, ``False`` (the
       default) to leave the modules' ``dtype`` as declared.
 
   Raises:
@@ -397,7 +400,8 @@ class ModulePolicy(RuleTablePolicy):
     ``variables["params"]`` so that each module reads its parameters in its
     own compute dtype, and runs ``apply_fn`` inside ``nn.intercept_methods``
     with an interceptor that casts the modules' inputs and outputs (and, with
-    ``override_dtype``, sets their ``dtype``; see the class documentation).
+    ``override_dtype`` or FP8, runs them with the policy's fields; see the
+    class documentation).
     What ``apply_fn`` returns is cast to ``default``'s output dtype; with
     ``mutable=[...]``, where it returns ``(output, updated_collections)``,
     only the output is cast, and the updated collections (``batch_stats``)
