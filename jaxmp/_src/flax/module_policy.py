@@ -268,23 +268,6 @@ class ModulePolicy(RuleTablePolicy):
     # Set by for_autocast: matched modules run inside a named scope per policy.
     object.__setattr__(self, "tag_scopes", False)
 
-
-
-
-  def rule_for(self, module: Any, name: str | None, path: str) -> Policy | None:
-    """Returns the policy of the rule that matches a module, or ``None``.
-
-    Args:
-      module: the module (instance).
-      name: its name (a Linen module's ``name``, an NNX attribute name).
-      path: its ``/``-separated path from the root module.
-
-    Raises:
-      ValueError: if several rules match and ``first_match`` is false.
-    """
-    match = self._match(module, name, path)
-    return None if match is None else match[1]
-
   def _match(
       self, module: Any, name: str | None, path: str
   ) -> tuple[Any, Policy] | None:
@@ -299,8 +282,6 @@ class ModulePolicy(RuleTablePolicy):
     if self.override_dtype is not True and not isinstance(module, self.override_dtype):
       return False
     return _has_dtype_field(type(module))
-
-
 
   def params_for_storage(self, params: Any) -> Any:
     """Returns the params as they are: each module casts what it reads."""
@@ -363,7 +344,7 @@ class ModulePolicy(RuleTablePolicy):
     path = "/".join(scope.path) if scope is not None else ""
     stack = call.policies
     outermost = not stack
-    own = self.rule_for(module, module.name, path)
+    own = (self._match(module, module.name, path) or (None, None))[1]
     policy = own if own is not None else stack[-1] if stack else self.default
     setup = context.method_name == "setup"
     fields = {} if setup else self._fields(module, policy)
