@@ -66,15 +66,11 @@ class _CastOnRead(struct.PyTreeNode, meta.AxisMetadata):
   """
 
   value: Any
-  running: _Call = struct.field(pytree_node=False)
+  call: _Call = struct.field(pytree_node=False)
 
   def unbox(self) -> Any:
-    value = meta.unbox(self.value)
-    stack = self.running.policies
-    policy = stack[-1] if stack else None
-    if policy is None:
-      return value
-    return policy.cast_to_compute(value)
+    stack, value = self.call.policies, meta.unbox(self.value)
+    return stack[-1].cast_to_compute(value) if stack and stack[-1] else value
 
   def replace_boxed(self, val: Any) -> "_CastOnRead":
     return self.replace(value=val)
@@ -83,20 +79,14 @@ class _CastOnRead(struct.PyTreeNode, meta.AxisMetadata):
     del index, params
     return self
 
-  def remove_axis(self, index: int, params: dict[Any, Any]) -> "_CastOnRead":
-    del index, params
-    return self
+  remove_axis = add_axis
 
 
-def _box_params(params: Any, running: _Call) -> Any:
-  def box(x):
-    if isinstance(x, meta.AxisMetadata) or is_floating_array(x):
-      return _CastOnRead(x, running)
-    return x
-
+def _box_params(params: Any, call: _Call) -> Any:
+  boxed = lambda x: isinstance(x, meta.AxisMetadata)
   return jax.tree_util.tree_map(
-      box, params, is_leaf=lambda x: isinstance(x, meta.AxisMetadata)
-  )
+      lambda x: _CastOnRead(x, call) if boxed(x) or is_floating_array(x) else x,
+      params, is_leaf=boxed)
 
 
 def _check_key(key: Any) -> None:
@@ -548,14 +538,12 @@ def _apply_under_modules(policy: ModulePolicy, apply_fn: Callable[..., Any],
 
 def _method_of_copy(call: _Call, module: Any, method_name: str,
                     fields: dict[str, Any]) -> Callable[..., Any] | None:
-  """``module``'s method on a copy of it with ``fields``, or ``None``.
+  """``module``'s method on a copy with ``fields``, or ``None``.
 
-  Linen modules are frozen, so the copy runs the call instead: bound to a
-  scope with the module's path (the same variables and RNG streams) and its
-  own reservations of names, so its setup and submodules do not clash with
-  the module's. Flax has already named the module's call; the copy's adds no
-  second name (``nn.override_named_call`` until the copy's call begins), so
-  the name stack reads as it does without the policy.
+  The copy is bound to a scope with the module's path (its variables and RNG
+  streams) and its own reservations of names, so that its setup does not
+  clash with the module's. Flax has named the module's call already: the
+  copy's call is not named again, so the name stack reads as without it.
   """
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
