@@ -1248,13 +1248,6 @@ def fp8_state(**kwargs):
       tx=optax.sgd(0.1), policy="mixed_fp8", **kwargs)
 
 
-class OwnEinsum(nn.Einsum):
-  """An nn.Einsum that computes something of its own."""
-
-  def __call__(self, inputs, einsum_str=None):
-    return 2 * super().__call__(inputs, einsum_str)
-
-
 def fp8_apply(model):
   policy = jaxmp.flax.ModulePolicy({}, default="mixed_fp8")
   return lambda: policy.wrap_apply(model.init)(jax.random.key(0), jnp.ones((1, 3)))
@@ -1287,10 +1280,10 @@ FP8_CASES = [
          lambda: jaxmp.get_policy("mixed_fp8").wrap_apply(nn.Dense(2).apply), ValueError,
          r"the FP8 matmuls are injected into the Linen Dense .* which a plain policy",
          r"jaxmp\.flax\.ModulePolicy\(\{\}, default=policy\)"),
-    Case("ModulePolicy: an nn.Einsum subclass with its own __call__ under an FP8 policy",
-         fp8_apply(OwnEinsum((3, 2), "bi,io->bo")), ValueError,
-         r"subclasses nn\.Einsum with its own __call__, which the FP8 policy cannot follow",
-         r"ModulePolicy\(\{OwnEinsum: 'mixed_bfloat16'\}, default='mixed_fp8'\)"),
+    Case("ModulePolicy: a Linen nn.Einsum under an FP8 policy",
+         fp8_apply(nn.Einsum((3, 2), "bi,io->bo")), ValueError,
+         r"Linen nn\.Einsum, which computes with jnp\.einsum and takes no dot_general_cls",
+         r"ModulePolicy\(\{Einsum: 'mixed_bfloat16'\}, default='mixed_fp8'\).*nn\.DenseGeneral"),
     Case("TrainState.create: an FP8 policy without FP8 meta", fp8_state, ValueError,
          r"runs FP8 matmuls, whose scales and amax histories must be given",
          r"fp8_meta=variables\['_overwrite_with_gradient'\]"),

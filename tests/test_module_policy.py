@@ -6,6 +6,7 @@ the model's equations are split at its matrix products. The error messages
 live in tests/test_bad_input.py.
 """
 
+import dataclasses
 import functools
 import warnings
 from typing import Any
@@ -432,6 +433,119 @@ def test_a_rule_that_a_declared_dtype_defeats_warns_once_per_trace_naming_the_mo
                  jaxmp.flax.ModulePolicy({"head": "float16"}, default="float32"),
                  policy.for_autocast()[0]):
       jax.make_jaxpr(fine.wrap_apply(model.apply))({"params": params}, x)
+
+
+# The policy's fields: each module that gets them runs as a copy.
+
+
+class EveryBinding(nn.Module):
+  """Submodules bound in setup and in a compact method, each called twice, a
+  lifted one, batch statistics, dropout, and a method other than __call__."""
+
+  dtype: Any = None
+
+  def setup(self):
+    self.embed = nn.Embed(10, 4, dtype=self.dtype)
+    self.dense = nn.Dense(4, dtype=self.dtype)
+    self.norm = nn.BatchNorm(use_running_average=False, dtype=self.dtype)
+    self.drop = nn.Dropout(0.5, deterministic=False)
+    self.compact = EveryCompact(dtype=self.dtype)
+
+  def __call__(self, tokens):
+    h = self.embed(tokens)
+    for _ in range(2):
+      h = self.drop(self.norm(nn.relu(self.dense(h))))
+    return self.embed.attend(self.compact(h))
+
+
+class EveryCompact(nn.Module):
+
+  dtype: Any = None
+
+  @nn.compact
+  def __call__(self, h):
+    dense = nn.Dense(4, dtype=self.dtype)
+    h = dense(dense(h))
+    h = nn.remat(nn.Dense)(4, dtype=self.dtype)(h)
+    stack = nn.scan(ScanCell, variable_axes={"params": 0},
+                    split_rngs={"params": True}, length=2)
+    return stack()(h, jnp.zeros((2,)))[0]
+
+
+def run_every_binding(policy):
+  """``(variables, output, batch_stats)`` of EveryBinding, init and apply."""
+  model, tokens = EveryBinding(), jnp.array([[1, 2, 3], [4, 5, 6]])
+  rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+  init, apply = model.init, model.apply
+  if policy is not None:
+    init, apply = policy.wrap_apply(init), policy.wrap_apply(apply)
+  variables = jax.jit(init)(rngs, tokens)
+  out, state = jax.jit(functools.partial(apply, mutable=["batch_stats"]))(
+      variables, tokens, rngs={"dropout": jax.random.key(2)})
+  return variables, out, state
+
+
+def test_a_module_given_the_policys_dtype_keeps_its_variables_and_rngs():
+  """Under float32 every layer (dtype=None) is given dtype=float32: each runs
+  as a copy bound to its variables, and init, the output (dropout included)
+  and the new batch statistics are bit for bit those of the plain model."""
+  policy = jaxmp.flax.ModulePolicy({}, default="float32", override_dtype=True)
+  chex.assert_trees_all_equal(run_every_binding(policy), run_every_binding(None))
+  half = jaxmp.flax.ModulePolicy({}, default="mixed_bfloat16", override_dtype=True)
+  model, tokens = EveryBinding(), jnp.ones((2, 3), jnp.int32)
+  variables = model.init(jax.random.key(0), tokens)
+  assert {d for _, d in matmul_dtypes(functools.partial(
+      half.wrap_apply(model.apply), mutable=["batch_stats"],
+      rngs={"dropout": jax.random.key(2)}), variables, tokens)} == {
+          ("bfloat16", "bfloat16")}
+
+
+def fields(module):
+  return {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
+          if f.name not in ("parent", "name")}
+
+
+def linen_net():
+  x = jnp.ones((2, 3))
+  return LinenNet(), x, None
+
+
+@pytest.mark.parametrize("policy, make_model", [
+    (jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_float16",
+                             override_dtype=True), declared_model),
+    (jaxmp.flax.ModulePolicy({}, default="mixed_fp8"), linen_net)],
+    ids=["override_dtype", "fp8"])
+@pytest.mark.parametrize("method", ["init", "apply"])
+def test_no_field_of_a_bound_module_changes(policy, make_model, method):
+  """The model's code never sees one of its modules with other fields than
+  it was built with: the policy's dtype and FP8 op reach a copy."""
+  model, x, _ = make_model()
+  variables = policy.wrap_apply(model.init)(jax.random.key(0), x)
+  built, seen = {}, []
+
+  def outside(next_fun, args, kwargs, context):  # as the model's code made it
+    built.setdefault(id(context.module), (context.module, fields(context.module)))
+    return next_fun(*args, **kwargs)
+
+  def inside(next_fun, args, kwargs, context):  # as the module runs
+    seen.append((context.module, fields(context.module)))
+    return next_fun(*args, **kwargs)
+
+  def run(*args, **kwargs):
+    with nn.intercept_methods(inside):
+      return getattr(model, method)(*args, **kwargs)
+
+  args = (jax.random.key(0), x) if method == "init" else (variables, x)
+  with nn.intercept_methods(outside):
+    jax.eval_shape(policy.wrap_apply(run), *args)
+  changed = [module.name for module, now in seen
+             if id(module) in built and now != built[id(module)][1]]
+  assert not changed
+  # The policy took effect on what ran.
+  if "fp8" in str(policy):
+    assert any(f.get("dot_general_cls") is not None for _, f in seen)
+  else:
+    assert {np.dtype(f["dtype"]) for m, f in seen if isinstance(m, nn.Dense)} == {F16}
 
 
 # NNX.

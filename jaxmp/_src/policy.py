@@ -74,8 +74,8 @@ PRESETS = {
 }
 VALID_PRESETS = (*PRESETS, "auto")
 
-# The FP8 part of the grammar: ``dot=fp8`` runs the matmuls of the Dense,
-# Linear and Einsum layers (Linen, NNX) in FP8 (an :class:`Fp8Policy`), and
+# The FP8 part of the grammar: ``dot=fp8`` runs the matmuls of the Dense and
+# Linear layers (Linen, NNX) and NNX Einsums in FP8 (an :class:`Fp8Policy`), and
 # ``amax_history=N`` sets the length of its amax histories.
 _FP8_KEYS = ("dot", "amax_history")
 _FP8_DOT_NAMES = ("fp8", "f8")
@@ -549,7 +549,7 @@ class Policy:
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Policy(Policy):
-  """A policy whose Dense, Linear and Einsum matmuls (Linen, NNX) run in FP8.
+  """A policy whose Dense, Linear and NNX Einsum matmuls run in FP8.
 
   What ``get_policy("mixed_fp8")`` (``"p=f32,c=bf16,o=f32,dot=fp8"``)
   returns. The three dtypes are those of the base policy: the master params
@@ -562,8 +562,8 @@ class Fp8Policy(Policy):
   maximum (delayed scaling). That meta state lives in the Flax collection
   ``"_overwrite_with_gradient"``; :class:`jaxmp.flax.TrainState` keeps it in
   its ``fp8_meta`` field, out of the optimizer, and guards it like the
-  params (see the FP8 guide). A Linen ``nn.Einsum`` computes through Flax's
-  ``fp8_ops.Fp8Einsum``. In an NNX model, ``nnx.Linear``,
+  params (see the FP8 guide). A Linen ``nn.Einsum`` takes no
+  ``dot_general_cls`` and is refused. In an NNX model, ``nnx.Linear``,
   ``nnx.LinearGeneral`` and ``nnx.Einsum`` get ops on Flax's
   ``fp8_scaled_dot_general`` from
   :meth:`jaxmp.flax.ModulePolicy.set_nnx_dtypes`, their meta in

@@ -2,16 +2,16 @@
 
 An :class:`jaxmp.Fp8Policy` makes the ``nn.Dense`` and ``nn.DenseGeneral``
 modules that run under it call Flax's ``fp8_ops.Fp8DirectDotGeneralOp``
-(injected as their ``dot_general_cls`` by the :class:`jaxmp.flax.ModulePolicy`
-interceptor), and the ``nn.Einsum`` modules compute through Flax's
-``fp8_ops.Fp8Einsum`` (:func:`fp8_einsum_call`). Flax keeps each op's scales
+(their ``dot_general_cls`` in the copy of the module that
+:class:`jaxmp.flax.ModulePolicy` runs; Linen's ``nn.Einsum`` takes none and is
+refused). Flax keeps each op's scales
 and amax histories, the *FP8 meta*, in the collection
 ``"_overwrite_with_gradient"``: the "gradient" of a meta leaf is its new
 value. This module holds what jaxmp adds around Flax's ops, for Linen and
 (through ``_src/flax/fp8_nnx.py``) NNX alike:
 
-* :func:`fp8_dot_general_cls` and :func:`fp8_einsum_call`: which op a module
-  gets (and the refusal of the modules it cannot reach);
+* :func:`fp8_dot_general_cls`: which op a module gets (and the refusal of
+  the modules it cannot reach);
 * :func:`flax_fp8_meta`: the meta of one op as Flax lays it out;
 * :func:`in_step_units`: the FP8 meta of the output gradients is kept in
   *unscaled* units; for one step it is multiplied by the loss scale (the
@@ -81,21 +81,31 @@ def fp8_dot_general_cls(module: Any, policy: Any) -> Any:
   ``None`` when nothing is injected: the policy is not an
   :class:`jaxmp.Fp8Policy`, or the module is not a Dense layer (activations,
   norms, convolutions and the FP8 ops themselves run in the base compute
-  dtype; an ``nn.Einsum`` gets :func:`fp8_einsum_call` instead).
+  dtype).
 
   Raises:
     ValueError: for a Dense layer that has its own
-      ``dot_general``/``dot_general_cls``.
+      ``dot_general``/``dot_general_cls``, and for an ``nn.Einsum``, which
+      takes no ``dot_general_cls`` in Linen.
   """
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
   if not isinstance(policy, Fp8Policy):
     return None
+  name = type(module).__name__
+  if isinstance(module, nn.Einsum):
+    raise ValueError(
+        f"{policy}: the module {name} {module.name!r} is a Linen nn.Einsum, "
+        "which computes with jnp.einsum and takes no dot_general_cls, so the "
+        "FP8 policy cannot reach its matmul. Give it a rule with a policy "
+        "without dot=fp8 (e.g. jaxmp.flax.ModulePolicy({" + name + ": "
+        "'mixed_bfloat16'}, default='mixed_fp8')), or use nn.DenseGeneral "
+        "for the matmul to run in FP8.")
   if not isinstance(module, (nn.Dense, nn.DenseGeneral)):
     return None
   if module.dot_general_cls is not None or module.dot_general is not None:
     raise ValueError(
-        f"{policy}: the module {type(module).__name__} {module.name!r} has "
+        f"{policy}: the module {name} {module.name!r} has "
         "its own dot_general/dot_general_cls, which the FP8 policy would "
         "replace. Give it its own rule with a policy without dot=fp8 (e.g. "
         "jaxmp.flax.ModulePolicy({'" + str(module.name) + "': "
@@ -103,67 +113,6 @@ def fp8_dot_general_cls(module: Any, policy: Any) -> Any:
   return functools.partial(
       fp8_ops.Fp8DirectDotGeneralOp,
       amax_history_length=policy.amax_history_length)
-
-
-def fp8_einsum_call(module: Any, policy: Any, method_name: str) -> Any:
-  """What computes ``module``'s call under ``policy``, or ``None`` to leave it.
-
-  Flax's ``nn.Einsum`` calls ``jnp.einsum`` itself and takes no
-  ``dot_general_cls``. Under an :class:`jaxmp.Fp8Policy` the interceptor
-  therefore runs this instead of ``nn.Einsum.__call__``: the same steps with
-  the module's own fields (the ``kernel`` and ``bias`` params with their
-  names, initializers, shapes and dtypes, Flax's bias shape, the module's
-  ``promote_dtype``), with the einsum computed by a Flax
-  ``fp8_ops.Fp8Einsum`` child (``Fp8Einsum_0``, whose meta lands in
-  ``"_overwrite_with_gradient"``). So the params are those of the model
-  without FP8, and only the matmul differs. It runs inside the module's
-  compact call, where the interceptor is called, so the child is bound as
-  the module's own.
-
-  Raises:
-    ValueError: for a subclass of ``nn.Einsum`` with its own ``__call__``
-      (what it computes is not known).
-  """
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-
-  if not (isinstance(policy, Fp8Policy) and isinstance(module, nn.Einsum)
-          and method_name == "__call__"):
-    return None
-  if type(module).__call__ is not nn.Einsum.__call__:
-    raise ValueError(
-        f"{policy}: the module {type(module).__name__} {module.name!r} "
-        "subclasses nn.Einsum with its own __call__, which the FP8 policy "
-        "cannot follow (it runs nn.Einsum's computation with Flax's "
-        "Fp8Einsum). Give it its own rule with a policy without dot=fp8, "
-        f"e.g. jaxmp.flax.ModulePolicy({{{type(module).__name__}: "
-        "'mixed_bfloat16'}, default='mixed_fp8').")
-
-  def call(inputs, einsum_str=None):
-    # nn.Einsum.__call__ (Flax 0.12), with fp8_ops.Fp8Einsum for jnp.einsum.
-    einsum_str = nn.merge_param("einsum_str", module.einsum_str, einsum_str)
-    einsum_str = einsum_str.replace(" ", "")
-    if "->" not in einsum_str or einsum_str.count(",") != 1:
-      raise ValueError(
-          f"nn.Einsum {module.name!r}: the equation {einsum_str!r} must be "
-          "explicit (with '->') and have exactly two operands, the input and "
-          "the kernel, e.g. 'bi,io->bo'.")
-    kernel = module.param("kernel", module.kernel_init, module.shape,
-                          module.param_dtype)
-    bias = None
-    if module.use_bias:
-      bias_shape, broadcast_shape = module._get_bias_shape(  # pylint: disable=protected-access
-          einsum_str, inputs, kernel)
-      bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
-    inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias,
-                                                dtype=module.dtype)
-    op = fp8_ops.Fp8Einsum(amax_history_length=policy.amax_history_length)
-    y = op(einsum_str, inputs, kernel, precision=module.precision,
-           preferred_element_type=module.preferred_element_type)
-    if bias is not None:
-      y += jnp.reshape(bias, broadcast_shape)
-    return y
-
-  return call
 
 
 def _leaf_name(path: tuple[Any, ...]) -> Any:

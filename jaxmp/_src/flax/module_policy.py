@@ -11,6 +11,7 @@ applied to a Linen model's ``apply`` with :meth:`ModulePolicy.wrap_apply` (an
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -23,7 +24,7 @@ import numpy as np
 from flax import struct
 from flax.core import meta
 
-from jaxmp._src.flax.fp8 import fp8_dot_general_cls, fp8_einsum_call, uses_fp8
+from jaxmp._src.flax.fp8 import fp8_dot_general_cls, uses_fp8
 from jaxmp._src.flax.fp8_nnx import attach_fp8_op
 from jaxmp._src.precision_audit import PrecisionWarning
 from jaxmp._src.policy import (
@@ -41,13 +42,19 @@ from jaxmp._src.rules import (
 )
 from jaxmp._src.validation import listing
 
-class _Running:
-  """The policies of the Linen module methods now running in one wrapped
-  call, innermost last: made per call and handed to its interceptor and its
-  parameters, so no state outlives the call or is shared between threads."""
+class _Call:
+  """What one wrapped Linen call keeps: made per call and handed to its
+  interceptor and its parameters, so nothing outlives the call or is shared
+  between threads."""
 
   def __init__(self):
+    # The policies of the module methods now running, innermost last.
     self.policies: list[Policy | None] = []
+    # The copies of modules made to run with the policy's fields, by id:
+    # (copy, the method it runs, what turns Flax's call names back on).
+    self.clones: dict[int, tuple[Any, str, contextlib.ExitStack]] = {}
+    # The modules whose declared dtype defeats their rule, by path.
+    self.defeated: dict[str, str] = {}
 
 
 class _CastOnRead(struct.PyTreeNode, meta.AxisMetadata):
@@ -59,15 +66,11 @@ class _CastOnRead(struct.PyTreeNode, meta.AxisMetadata):
   """
 
   value: Any
-  running: _Running = struct.field(pytree_node=False)
+  call: _Call = struct.field(pytree_node=False)
 
   def unbox(self) -> Any:
-    value = meta.unbox(self.value)
-    stack = self.running.policies
-    policy = stack[-1] if stack else None
-    if policy is None:
-      return value
-    return policy.cast_to_compute(value)
+    stack, value = self.call.policies, meta.unbox(self.value)
+    return stack[-1].cast_to_compute(value) if stack and stack[-1] else value
 
   def replace_boxed(self, val: Any) -> "_CastOnRead":
     return self.replace(value=val)
@@ -76,20 +79,14 @@ class _CastOnRead(struct.PyTreeNode, meta.AxisMetadata):
     del index, params
     return self
 
-  def remove_axis(self, index: int, params: dict[Any, Any]) -> "_CastOnRead":
-    del index, params
-    return self
+  remove_axis = add_axis
 
 
-def _box_params(params: Any, running: _Running) -> Any:
-  def box(x):
-    if isinstance(x, meta.AxisMetadata) or is_floating_array(x):
-      return _CastOnRead(x, running)
-    return x
-
+def _box_params(params: Any, call: _Call) -> Any:
+  boxed = lambda x: isinstance(x, meta.AxisMetadata)
   return jax.tree_util.tree_map(
-      box, params, is_leaf=lambda x: isinstance(x, meta.AxisMetadata)
-  )
+      lambda x: _CastOnRead(x, call) if boxed(x) or is_floating_array(x) else x,
+      params, is_leaf=boxed)
 
 
 def _check_key(key: Any) -> None:
@@ -176,24 +173,27 @@ class ModulePolicy(RuleTablePolicy):
   **A model's own** ``dtype``: a layer built with ``dtype=jnp.float32`` (as
   most published Flax models do: ``dtype: Any = jnp.float32`` passed to every
   layer) computes in float32 whatever it receives. ``override_dtype=True``
-  makes the policy win: while a module that has a ``dtype`` attribute runs,
-  its ``dtype`` is its policy's compute dtype (``param_dtype`` is left alone,
-  so the master params stay as they are stored). A tuple of classes limits
-  the override to their instances. ``ModulePolicy({}, default="mixed_float16",
+  makes the policy win: a module that has a ``dtype`` attribute runs with its
+  policy's compute dtype (``param_dtype`` is left alone, so the master params
+  stay as they are stored). A tuple of classes limits the override to their
+  instances. ``ModulePolicy({}, default="mixed_float16",
   override_dtype=True)`` is then "mixed_float16 for the whole model".
+  Linen modules are frozen, so such a module runs as a copy with the
+  policy's fields (``module.clone``), bound to the module's variables and
+  RNGs; the model's own modules are never changed. With
+  ``capture_intermediates``, the call of such a copy is recorded too.
 
   **FP8**: a rule's policy, or the default, may be an :class:`jaxmp.Fp8Policy`
   (``"mixed_fp8"``). Each ``nn.Dense`` and ``nn.DenseGeneral`` running under
-  it then calls Flax's ``fp8_ops.Fp8DirectDotGeneralOp`` (set as its
-  ``dot_general_cls`` while it runs), whose scales and amax histories live in
-  the collection ``"_overwrite_with_gradient"``; wrap ``model.init`` too
-  (``policy.wrap_apply(model.init)``, which injects the ops but casts
-  nothing) to create them. An ``nn.Einsum`` computes through Flax's
-  ``fp8_ops.Fp8Einsum`` (a child ``Fp8Einsum_0``; its params stay those of
-  the model without FP8). Other modules run in the base compute dtype; a
-  Dense layer with its own ``dot_general``, and a subclass of ``nn.Einsum``
-  with its own ``__call__``, are refused. NNX models get their FP8 ops from
-  :meth:`set_nnx_dtypes`.
+  it then calls Flax's ``fp8_ops.Fp8DirectDotGeneralOp`` (its
+  ``dot_general_cls`` in the copy that runs), whose scales and amax histories
+  live in the collection ``"_overwrite_with_gradient"``; wrap ``model.init``
+  too (``policy.wrap_apply(model.init)``, which injects the ops but casts
+  nothing) to create them. Other modules run in the base compute dtype. A
+  Dense layer with its own ``dot_general`` is refused, and so is an
+  ``nn.Einsum``, which takes no ``dot_general_cls`` in Linen: give it a rule
+  with a policy without FP8, or use ``nn.DenseGeneral``. NNX models get
+  their FP8 ops from :meth:`set_nnx_dtypes`.
 
   **NNX** (:meth:`set_nnx_dtypes`): each module that has a ``dtype`` attribute
   (``nnx.Linear``, ``nnx.Conv``, ``nnx.LayerNorm``, ``nnx.BatchNorm``,
@@ -213,9 +213,9 @@ class ModulePolicy(RuleTablePolicy):
       :func:`jaxmp.get_policy` takes), or ``None`` to leave them alone.
       Default ``"float32"``.
     first_match: resolve overlapping rules by their order instead of raising.
-    override_dtype: Linen only: ``True`` to set the ``dtype`` of every module
-      that has one to its policy's compute dtype while it runs, a tuple of
-      module classes to do so for their instances only, ``False`` (the
+    override_dtype: Linen only: ``True`` to run every module that has a
+      ``dtype`` with its policy's compute dtype, a tuple of module classes
+      to do so for their instances only, ``False`` (the
       default) to leave the modules' ``dtype`` as declared.
 
   Raises:
@@ -258,23 +258,6 @@ class ModulePolicy(RuleTablePolicy):
     # Set by for_autocast: matched modules run inside a named scope per policy.
     object.__setattr__(self, "tag_scopes", False)
 
-
-
-
-  def rule_for(self, module: Any, name: str | None, path: str) -> Policy | None:
-    """Returns the policy of the rule that matches a module, or ``None``.
-
-    Args:
-      module: the module (instance).
-      name: its name (a Linen module's ``name``, an NNX attribute name).
-      path: its ``/``-separated path from the root module.
-
-    Raises:
-      ValueError: if several rules match and ``first_match`` is false.
-    """
-    match = self._match(module, name, path)
-    return None if match is None else match[1]
-
   def _match(
       self, module: Any, name: str | None, path: str
   ) -> tuple[Any, Policy] | None:
@@ -289,8 +272,6 @@ class ModulePolicy(RuleTablePolicy):
     if self.override_dtype is not True and not isinstance(module, self.override_dtype):
       return False
     return _has_dtype_field(type(module))
-
-
 
   def params_for_storage(self, params: Any) -> Any:
     """Returns the params as they are: each module casts what it reads."""
@@ -330,55 +311,54 @@ class ModulePolicy(RuleTablePolicy):
     scopes = {re.escape(tag): policy for policy, tag in self._scope_tags().items()}
     return tagged, scopes
 
-  def _intercept(self, running, defeated, next_fun, args, kwargs, context):
-    module = context.module
-    scope = module.scope
-    path = "/".join(scope.path) if scope is not None else ""
-    stack = running.policies
-    outermost = not stack
-    own = self.rule_for(module, module.name, path)
-    if own is not None:
-      policy = own
-    elif stack:
-      policy = stack[-1]
-    else:
-      policy = self.default
-    override = policy is not None and self._overrides_dtype(module)
-    if override:
-      declared = module.dtype
-      # Linen modules are frozen dataclasses; the bound module is a clone
-      # made for this call, and its declared dtype is restored below.
-      object.__setattr__(module, "dtype", policy.compute_dtype)
-    # Under an FP8 policy a Dense layer calls Flax's FP8 op, and an Einsum
-    # computes through Flax's Fp8Einsum (docs/fp8.md).
+  def _fields(self, module: Any, policy: Policy | None) -> dict[str, Any]:
+    """The fields ``module`` runs with under ``policy``, where they differ."""
+    if policy is None:
+      return {}
+    fields = {}
+    if self._overrides_dtype(module) and module.dtype != policy.compute_dtype:
+      fields["dtype"] = policy.compute_dtype
     fp8_cls = fp8_dot_general_cls(module, policy)
     if fp8_cls is not None:
-      object.__setattr__(module, "dot_general_cls", fp8_cls)
-    call = fp8_einsum_call(module, policy, context.method_name) or next_fun
+      fields["dot_general_cls"] = fp8_cls
+    return fields
+
+  def _intercept(self, call, next_fun, args, kwargs, context):
+    module = context.module
+    copy_of = call.clones.get(id(module))
+    if copy_of is not None:  # a copy made below: it has the policy's fields
+      if context.method_name == copy_of[1]:
+        copy_of[2].close()  # its call has begun: name calls again
+      return next_fun(*args, **kwargs)
+    scope = module.scope
+    path = "/".join(scope.path) if scope is not None else ""
+    stack = call.policies
+    outermost = not stack
+    own = (self._match(module, module.name, path) or (None, None))[1]
+    policy = own if own is not None else stack[-1] if stack else self.default
+    setup = context.method_name == "setup"
+    fields = {} if setup else self._fields(module, policy)
+    run = (_method_of_copy(call, module, context.method_name, fields)
+           if fields else None) or next_fun
     stack.append(policy)
     try:
       # In model.init nothing is cast: the params are created in their
       # param_dtype as the inputs arrive, and only the variables are kept.
-      if (policy is None or context.method_name == "setup"
-          or module.is_initializing()):
-        return call(*args, **kwargs)
+      if policy is None or setup or module.is_initializing():
+        return run(*args, **kwargs)
       # A rule's policy (the module's own, or an enclosing module's) that the
       # module's declared dtype defeats; autocast casts each op instead.
-      if not (override or self.tag_scopes) and (
+      if not (self._overrides_dtype(module) or self.tag_scopes) and (
           own is not None or policy is not self.default):
-        _note_defeated_rule(defeated, module, path, policy)
+        _note_defeated_rule(call.defeated, module, path, policy)
       args, kwargs = policy.cast_to_compute((args, kwargs))
       if own is not None and self.tag_scopes:
         with jax.named_scope(self._scope_tags()[own]):
-          out = call(*args, **kwargs)
+          out = run(*args, **kwargs)
       else:
-        out = call(*args, **kwargs)
+        out = run(*args, **kwargs)
     finally:
       stack.pop()
-      if override:
-        object.__setattr__(module, "dtype", declared)
-      if fp8_cls is not None:
-        object.__setattr__(module, "dot_general_cls", None)
     if own is not None or outermost:
       out = policy.cast_to_output(out)
     return out
@@ -391,7 +371,8 @@ class ModulePolicy(RuleTablePolicy):
     ``variables["params"]`` so that each module reads its parameters in its
     own compute dtype, and runs ``apply_fn`` inside ``nn.intercept_methods``
     with an interceptor that casts the modules' inputs and outputs (and, with
-    ``override_dtype``, sets their ``dtype``; see the class documentation).
+    ``override_dtype`` or FP8, runs them with the policy's fields; see the
+    class documentation).
     What ``apply_fn`` returns is cast to ``default``'s output dtype; with
     ``mutable=[...]``, where it returns ``(output, updated_collections)``,
     only the output is cast, and the updated collections (``batch_stats``)
@@ -538,12 +519,12 @@ def _apply_under_modules(policy: ModulePolicy, apply_fn: Callable[..., Any],
   """``apply_fn(variables, *args, **kwargs)`` under the module policy."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
-  running = _Running()
+  call = _Call()  # per call: under jit, once per trace
   if isinstance(variables, Mapping) and "params" in variables:
-    variables = {**variables, "params": _box_params(variables["params"], running)}
-  defeated: dict[str, str] = {}  # per call: under jit, once per trace
-  with nn.intercept_methods(functools.partial(policy._intercept, running, defeated)):  # pylint: disable=protected-access
+    variables = {**variables, "params": _box_params(variables["params"], call)}
+  with nn.intercept_methods(functools.partial(policy._intercept, call)):  # pylint: disable=protected-access
     result = apply_fn(variables, *args, **kwargs)
+  defeated = call.defeated
   if defeated:
     warnings.warn(
         "ModulePolicy: a module's own dtype wins over the policy its rule "
@@ -553,6 +534,31 @@ def _apply_under_modules(policy: ModulePolicy, apply_fn: Callable[..., Any],
   if policy.default is None:
     return result
   return cast_apply_output(policy.default, result, kwargs)
+
+
+def _method_of_copy(call: _Call, module: Any, method_name: str,
+                    fields: dict[str, Any]) -> Callable[..., Any] | None:
+  """``module``'s method on a copy with ``fields``, or ``None``.
+
+  The copy is bound to a scope with the module's path (its variables and RNG
+  streams) and its own reservations of names, so that its setup does not
+  clash with the module's. Flax has named the module's call already: the
+  copy's call is not named again, so the name stack reads as without it.
+  """
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  clone = module.clone(parent=module.scope.rewound(), **fields)
+  method = getattr(clone, method_name, None)
+  if method is None:  # a function given to apply(method=...): run as it is
+    return None
+
+  def run(*args, **kwargs):
+    with contextlib.ExitStack() as unnamed:
+      unnamed.enter_context(nn.override_named_call(False))
+      call.clones[id(clone)] = (clone, method_name, unnamed)
+      return method(*args, **kwargs)
+
+  return run
 
 
 def _note_defeated_rule(defeated: dict[str, str], module: Any, path: str,

@@ -187,18 +187,19 @@ class _Recorder:
   def __init__(self):
     self.calls: list[list[Any]] = []  # [path, method, parent]
     self.flags: list[tuple[jax.Array, jax.Array]] = []
-    self.stack: list[tuple[int, int]] = []  # (call index, id of the module)
+    self.stack: list[tuple[int, str]] = []  # (call index, module path)
 
-  def run(self, path: str, method: str, module: Any, call: Callable[[], Any],
-          args: Any) -> Any:
-    if self.stack and self.stack[-1][1] == id(module):
-      return call()  # the same module, through a super() call
+  def run(self, path: str, method: str, call: Callable[[], Any], args: Any) -> Any:
+    if self.stack and self.stack[-1][1] == path:
+      # The same module, through a super() call or another of its methods,
+      # or the copy of it that a ModulePolicy runs.
+      return call()
     index = len(self.calls)
     parent = self.stack[-1][0] if self.stack else -1
     self.calls.append([path, method, parent])
     inputs = _floating_finite(args)
     self.flags.append((inputs, inputs))
-    self.stack.append((index, id(module)))
+    self.stack.append((index, path))
     try:
       out = call()
     finally:
@@ -287,7 +288,7 @@ def _linen(apply_fn: Callable[..., Any], args: tuple[Any, ...],
       return next_fun(*call_args, **call_kwargs)
     scope = context.module.scope
     path = "/".join(scope.path) if scope is not None else _ROOT
-    return recorder.run(path, context.method_name, context.module,
+    return recorder.run(path, context.method_name,
                         lambda: next_fun(*call_args, **call_kwargs),
                         (call_args, call_kwargs))
 
@@ -329,7 +330,7 @@ def _watching_nnx_calls(model: Any, recorder: _Recorder) -> Iterator[None]:
     def watched(self, *args, **kwargs):
       if id(self) not in paths:
         return original(self, *args, **kwargs)
-      return recorder.run(paths[id(self)], "__call__", self,
+      return recorder.run(paths[id(self)], "__call__",
                           lambda: original(self, *args, **kwargs), (args, kwargs))
     return watched
 
