@@ -13,7 +13,7 @@ PUBLIC = {
     # Policies.
     "Policy", "get_policy", "auto_policy", "half_dtype", "cast_to_full",
     "cast_to_half", "hardware_report", "PathPolicy",
-    "Fp8Policy",  # FP8 training (docs/fp8.md)
+    "Fp8Policy",  # FP8 training (docs/autocast.md#fp8)
     # Automatic mixed precision.
     "autocast", "autocast_rules",
     # Loss scales.
@@ -28,7 +28,7 @@ PUBLIC = {
     # Diagnostics and monitoring.
     "nonfinite_paths", "grad_stats", "dtype_headroom", "suggest_loss_scale",
     "LossScaleMonitor",
-    # Falling back to a wider policy (docs/when-fp16-fails.md).
+    # Falling back to a wider policy (docs/loss-scaling.md).
     "PrecisionFallback", "switch_precision",
     # The precision audit.
     "precision_report", "PrecisionReport", "PrecisionWarning",
