@@ -31,7 +31,6 @@ from jaxmp._src.loss_scale import (
     select_tree,
 )
 from jaxmp._src.loss_scaling import (
-    LossScalingState,
     get_loss_scale,
     loss_scaling,
     loss_scaling_metrics,
@@ -82,7 +81,6 @@ __all__ = [
     "select_tree",
     # The optax wrapper.
     "loss_scaling",
-    "LossScalingState",
     "get_loss_scale",
     "loss_scaling_metrics",
     "scaled_value_and_grad",

@@ -18,7 +18,6 @@ import api_coverage  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-imp
 # jaxmp returns rather than the user builds, a base class and an exception.
 NO_EXAMPLE_NEEDED = {
     "jaxmp.LossScale",
-    "jaxmp.LossScalingState",
     "jaxmp.LossScaleAtMinimumError",
 }
 

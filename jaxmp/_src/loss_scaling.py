@@ -121,7 +121,11 @@ def loss_scaling(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
-    ``update`` are passed through to ``inner``.
+    ``update`` are passed through to ``inner``. Its state is a ``NamedTuple``
+    with ``inner_state`` (``inner``'s state, bit-identical after a skipped
+    step), ``loss_scale``, and the int32/bool counters that
+    :func:`loss_scaling_metrics` reads (``skipped_steps``, ``last_finite``,
+    ``recovered_steps``, ``fallback_steps``, ``lost_steps``).
 
   Raises:
     TypeError: if ``loss_scale`` is not a loss scale or ``inner`` not an optax

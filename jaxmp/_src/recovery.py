@@ -1,6 +1,6 @@
 """Guarding state on a skipped step, and retrying a skipped batch.
 
-Both read the one :class:`jaxmp.LossScalingState` of a state, wherever it
+Both read the one loss-scaling state (the state of :func:`jaxmp.loss_scaling`) of a state, wherever it
 sits: whether the last update was applied (``last_finite``) decides what
 :func:`keep_on_skip` keeps, and what :func:`retry_skipped` retries. The loss
 scale's transitions stay in :func:`jaxmp.loss_scaling`'s update: a retry is the
@@ -227,7 +227,7 @@ def retry_skipped(
 
   ``step(state, *args, **kwargs) -> (state, aux)`` is your own train step,
   for any framework; ``state`` is any pytree that holds one
-  :class:`jaxmp.LossScalingState` (``(params, opt_state)``, a
+  loss-scaling state (the state of :func:`jaxmp.loss_scaling`) (``(params, opt_state)``, a
   :class:`jaxmp.flax.TrainState`), or NNX objects (a model and its
   ``nnx.Optimizer``), which the returned step splits and merges itself and
   updates in place.
