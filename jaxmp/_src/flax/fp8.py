@@ -229,7 +229,7 @@ def split_fp8_grads(tree: Any, owner: str = "TrainState") -> tuple[Any, Any] | N
   if set(tree) != {"params", FP8_META}:
     raise ValueError(
         f"{owner}: Flax's FP8 layout is {{'params': ..., {FP8_META!r}: ...}}, "
-        f"got the meta next to {sorted(k for k in tree if k != FP8_META)}. "
+        f"got the keys {sorted(tree)}. "
         "Keep other collections (batch_stats) in fields of their own.")
   return tree["params"], tree[FP8_META]
 
