@@ -339,10 +339,6 @@ class Policy:
     Returns:
       The wrapped function.
 
-    Raises:
-      ValueError: for an :class:`Fp8Policy`, whose FP8 matmuls only
-        ``jaxmp.flax.ModulePolicy({}, default=policy).wrap_apply`` injects.
-
     Example:
       >>> import jax, jax.numpy as jnp, jaxmp
       >>> import flax.linen as nn
@@ -445,6 +441,20 @@ class Fp8Policy(Policy):
   def base(self) -> Policy:
     """The same dtypes without FP8 matmuls: a plain :class:`Policy`."""
     return Policy(self.param_dtype, self.compute_dtype, self.output_dtype)
+
+  def wrap_apply(self, apply_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Refuses: the FP8 matmuls are injected by a module policy.
+
+    Raises:
+      ValueError: always; the message names the module policy.
+    """
+    raise ValueError(
+        f"{self}: the FP8 matmuls are injected into the Linen Dense and "
+        "DenseGeneral modules by a module interceptor, which a plain policy "
+        "cannot install. Use jaxmp.flax.ModulePolicy({}, default=policy)"
+        ".wrap_apply(model.apply) (and .wrap_apply(model.init) to create the "
+        "FP8 meta), or jaxmp.flax.TrainState.create(..., policy=policy), "
+        "which does it for you.")
 
   def __str__(self) -> str:
     text = super().__str__() + ",dot=fp8"

@@ -4,7 +4,7 @@
 :meth:`jaxmp.flax.ModulePolicy.wrap_apply` wrap a function of
 ``(variables, *args, **kwargs)`` (Linen's ``model.apply``) in a
 :class:`WrappedApply`; :class:`jaxmp.flax.TrainState` stores it as its
-``apply_fn``. Nothing here imports Flax.
+``apply_fn``. Nothing here imports Flax, nor the policies: they import this.
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jaxmp._src.policy import Fp8Policy, Policy
 
-
-def cast_apply_output(io_policy: Policy, result: Any,
+def cast_apply_output(io_policy: Any, result: Any,
                       apply_kwargs: Mapping[str, Any]) -> Any:
   """Casts what a Linen ``apply`` returned to ``io_policy``'s output dtype.
 
@@ -74,16 +72,7 @@ def apply_under_policy(policy: Any, apply_fn: Callable[..., Any]) -> WrappedAppl
   """``apply_fn`` under a :class:`jaxmp.Policy` or :class:`jaxmp.PathPolicy`.
 
   Raises:
-    ValueError: for an :class:`jaxmp.Fp8Policy` (its FP8 matmuls are
-      injected by a module policy), or a policy without a default.
+    ValueError: for a policy without a default.
   """
-  if isinstance(policy, Fp8Policy):
-    raise ValueError(
-        f"{policy}: the FP8 matmuls are injected into the Linen Dense and "
-        "DenseGeneral modules by a module interceptor, which a plain policy "
-        "cannot install. Use jaxmp.flax.ModulePolicy({}, default=policy)"
-        ".wrap_apply(model.apply) (and .wrap_apply(model.init) to create the "
-        "FP8 meta), or jaxmp.flax.TrainState.create(..., policy=policy), "
-        "which does it for you.")
   _ = policy.io_policy  # raises now, not at the first call, without one
   return WrappedApply(_apply_under, policy, apply_fn)
