@@ -1323,7 +1323,7 @@ FP8_CASES = [
     Case("loss_scaling: gradients that hold the FP8 meta",
          lambda: TX.update({"params": PARAMS, "_overwrite_with_gradient": {}}, STATE),
          ValueError, r"the gradients hold Flax's FP8 meta collection",
-         r"Use jaxmp\.flax\.TrainState.*jaxmp\.select_tree"),
+         r"Use jaxmp\.flax\.TrainState.*jaxmp\.keep_on_skip\(opt_state, new_meta, old_meta\)"),
     Case("TrainState.apply_gradients: no new FP8 meta",
          lambda: fp8_state(meta={"x": jnp.ones(1)}).apply_gradients(
              grads={"kernel": jnp.ones((3, 2))}), ValueError,
