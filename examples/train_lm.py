@@ -574,13 +574,14 @@ def make_train_step(loss_fn, tx, *, gradients=scaled_gradients, recover=None):
 
 
 def make_fp8_state(config: Config, model, policy, sample):
-  """The ``jaxmp.flax.TrainState`` of an FP8 run, with its FP8 meta.
+  """The ``jaxmp.flax.TrainState`` of an FP8 run, its FP8 meta in ``params``.
 
   ``jaxmp.flax.ModulePolicy({}, default=policy)`` injects Flax's FP8 op into
   every ``nn.Dense`` and ``nn.DenseGeneral`` (the attention projections
   included) without editing the model; the attention scores, the norms,
   the embeddings and the loss compute in the base dtype (bfloat16). The
-  params are those of the other runs (same seed, same names).
+  params are those of the other runs (same seed, same names); ``state.params``
+  is Flax's FP8 layout, ``{"params": ..., "_overwrite_with_gradient": meta}``.
   """
   import jax  # pylint: disable=import-outside-toplevel
 
@@ -590,32 +591,30 @@ def make_fp8_state(config: Config, model, policy, sample):
   variables = module_policy.wrap_apply(model.init)(
       jax.random.PRNGKey(config.seed), sample)
   return jaxmp.flax.TrainState.create(
-      apply_fn=model.apply, params=variables["params"],
-      fp8_meta=variables[FP8_META], tx=make_inner_optimizer(config),
+      apply_fn=model.apply, params=variables, tx=make_inner_optimizer(config),
       policy=module_policy, loss_scale=make_loss_scale(config, policy))
 
 
 def fp8_eval_loss(state, batch):
   """The loss of ``state`` on ``batch`` (no update; the meta is only read)."""
-  logits = state.apply_fn(
-      {"params": state.params, FP8_META: state.fp8_meta}, batch[:, :-1])
+  logits = state.apply_fn(state.params, batch[:, :-1])
   return next_byte_loss(logits, batch[:, 1:])
 
 
 def make_fp8_train_step():
   """One guarded FP8 step: ``(state, batch) -> (state, metrics)``.
 
-  ``state.value_and_grad`` provides the FP8 meta to the model and returns its
-  new values with the gradients; ``apply_gradients`` writes them on a finite
-  step and keeps them bit-identical on a skipped one.
+  The loss takes the variables, meta included, as in Flax; the "gradient"
+  of the meta is its new value, which ``apply_gradients`` writes on a finite
+  step and keeps bit-identical on a skipped one.
   """
   import jax  # pylint: disable=import-outside-toplevel
 
   import jaxmp  # pylint: disable=import-outside-toplevel
 
   def train_step(state, batch):
-    def loss_fn(params, batch):
-      logits = state.apply_fn({"params": params}, batch[:, :-1])
+    def loss_fn(variables, batch):
+      logits = state.apply_fn(variables, batch[:, :-1])
       return next_byte_loss(logits, batch[:, 1:])
 
     loss, grads = state.value_and_grad(loss_fn)(state.params, batch)
@@ -744,7 +743,7 @@ def train(run_name: str, config: Config, train_text, val_text,
   # What the step carries: (params, opt_state), or (TrainState,) for FP8.
   if fp8:
     state = make_fp8_state(config, model, policy, sample)
-    carry, params = (state,), state.params
+    carry, params = (state,), state.params["params"]
     step_fn, evaluate = make_fp8_train_step(), jax.jit(fp8_eval_loss)
   else:
     loss_fn = make_loss_fn(model, policy)
@@ -785,7 +784,9 @@ def train(run_name: str, config: Config, train_text, val_text,
       jaxmp.get_loss_scale(opt_state_of(carry)).loss_scale))
   for step in range(1, config.steps + 1):
     if step == config.fp16_spike and fp8:
-      carry = (carry[0].replace(params=spike_embeddings(carry[0].params)),)
+      variables = carry[0].params
+      carry = (carry[0].replace(params={
+          **variables, "params": spike_embeddings(variables["params"])}),)
     elif step == config.fp16_spike:
       carry = (spike_embeddings(carry[0]), carry[1])
     started = time.perf_counter()
@@ -856,7 +857,7 @@ def train(run_name: str, config: Config, train_text, val_text,
       "validation": val_history,
   }
   if fp8:
-    result["fp8_meta"] = fp8_meta_summary(carry[0].fp8_meta)
+    result["fp8_meta"] = fp8_meta_summary(carry[0].params[FP8_META])
   return result
 
 

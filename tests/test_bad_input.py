@@ -1242,10 +1242,12 @@ CASES += FALLBACK_CASES
 # -- FP8 training -----------------------------------------------------------------
 
 
-def fp8_state(**kwargs):
+def fp8_state(meta=None, **kwargs):
+  params = {"kernel": jnp.ones((3, 2))}
   return jaxmp.flax.TrainState.create(
-      apply_fn=nn.Dense(2).apply, params={"kernel": jnp.ones((3, 2))},
-      tx=optax.sgd(0.1), policy="mixed_fp8", **kwargs)
+      apply_fn=nn.Dense(2).apply, tx=optax.sgd(0.1), policy="mixed_fp8",
+      params=params if meta is None else {"params": params, "_overwrite_with_gradient": meta},
+      **kwargs)
 
 
 def fp8_apply(model):
@@ -1286,23 +1288,27 @@ FP8_CASES = [
          r"ModulePolicy\(\{Einsum: 'mixed_bfloat16'\}, default='mixed_fp8'\).*nn\.DenseGeneral"),
     Case("TrainState.create: an FP8 policy without FP8 meta", fp8_state, ValueError,
          r"runs FP8 matmuls, whose scales and amax histories must be given",
-         r"fp8_meta=variables\['_overwrite_with_gradient'\]"),
-    Case("TrainState.create: the FP8 meta among the params",
+         r"pass them whole, params=variables"),
+    Case("TrainState.create: the FP8 meta next to another collection",
          lambda: jaxmp.flax.TrainState.create(
-             apply_fn=None, params={"params": PARAMS, "_overwrite_with_gradient": {}},
-             tx=optax.sgd(0.1)), ValueError,
-         r"params holds the FP8 meta collection '_overwrite_with_gradient', where the "
-         r"optimizer would update the scales",
-         r"create\(params=variables\['params'\], fp8_meta="),
+             apply_fn=None, params={"params": PARAMS, "_overwrite_with_gradient": {},
+                                    "batch_stats": {}}, tx=optax.sgd(0.1)), ValueError,
+         r"Flax's FP8 layout is \{'params': \.\.\., '_overwrite_with_gradient': "
+         r"\.\.\.\}, got the keys \['_overwrite_with_gradient', 'batch_stats', 'params'\]",
+         r"Keep other collections \(batch_stats\) in fields of their own"),
+    Case("TrainState.create: the FP8 meta as fp8_meta= (the old API)",
+         lambda: fp8_state(fp8_meta={}), TypeError,
+         r"takes the FP8 meta inside params, as Flax's TrainState does",
+         r"create\(params=variables\)"),
     Case("loss_scaling: gradients that hold the FP8 meta",
          lambda: TX.update({"params": PARAMS, "_overwrite_with_gradient": {}}, STATE),
          ValueError, r"the gradients hold Flax's FP8 meta collection",
-         r"Use jaxmp\.flax\.TrainState.*jaxmp\.select_tree"),
+         r"Use jaxmp\.flax\.TrainState.*jaxmp\.keep_on_skip\(opt_state, new_meta, old_meta\)"),
     Case("TrainState.apply_gradients: no new FP8 meta",
-         lambda: fp8_state(fp8_meta={"x": jnp.ones(1)}).apply_gradients(
+         lambda: fp8_state(meta={"x": jnp.ones(1)}).apply_gradients(
              grads={"kernel": jnp.ones((3, 2))}), ValueError,
          r"the state has FP8 meta but the gradients bring no new meta",
-         r"state\.value_and_grad\(loss_fn\)"),
+         r"state\.value_and_grad\(loss_fn\)\(state\.params"),
 ]
 
 CASES += FP8_CASES
@@ -1366,10 +1372,10 @@ FP8_FALLBACK_CASES = [
          fp8_find_without_meta, ValueError,
          r"the model runs FP8 matmuls, whose meta \(the '_overwrite_with_gradient' "
          r"collection\) is not in the variables given",
-         r"'_overwrite_with_gradient': state\.fp8_meta\}"),
+         r"find_overflowing_modules\(state\.apply_fn, state\.params, x\)"),
     Case("switch_precision: a TrainState without FP8 meta to an FP8 policy",
          switch_plain_state_to_fp8, ValueError,
-         r"runs FP8 matmuls, but the state has no FP8 meta \(TrainState\.fp8_meta\)",
+         r"runs FP8 matmuls, but the state has no FP8 meta for them",
          r"build a new state with the FP8 policy"),
 ]
 

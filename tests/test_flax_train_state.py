@@ -371,3 +371,34 @@ def test_create_passes_axis_name_so_replicas_skip_together():
   stepped = jax.jit(jax.vmap(step, axis_name="replicas"))(replicated, xs, ys)
   np.testing.assert_array_equal(stepped.metrics["skipped_steps"], [1, 1])
   chex.assert_trees_all_equal(stepped.params, replicated.params)
+
+
+class _NormedMlp(nn.Module):
+  """Layers that declare float32, with a LayerNorm whose params matter."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(16, dtype=jnp.float32)(x)
+    x = nn.LayerNorm(dtype=jnp.float32, scale_init=nn.initializers.normal(1.0),
+                     bias_init=nn.initializers.normal(1.0))(x)
+    return nn.Dense(4, dtype=jnp.float32)(nn.relu(x))
+
+
+def test_autocast_alone_decides_the_dtypes():
+  """Under autocast=True the state's apply_fn casts nothing itself (no
+  blanket cast of the params or inputs to the compute dtype): the loss and
+  gradients are those of jaxmp.autocast over the bare model, bit for bit."""
+  model = _NormedMlp()
+  x = jax.random.normal(jax.random.key(1), (8, 3))
+  params = model.init(jax.random.key(0), x)["params"]
+  state = jaxmp.flax.TrainState.create(
+      apply_fn=model.apply, params=params, tx=optax.sgd(0.1),
+      policy="mixed_bfloat16", autocast=True)
+
+  def loss_fn(apply_fn):
+    return lambda params, x: jnp.mean(apply_fn({"params": params}, x) ** 2)
+
+  got = jax.jit(state.value_and_grad(loss_fn(state.apply_fn)))(params, x)
+  bare = jaxmp.autocast(loss_fn(model.apply), "mixed_bfloat16")
+  want = jax.jit(jax.value_and_grad(bare))(params, x)
+  chex.assert_trees_all_equal(got, want)

@@ -49,7 +49,7 @@ def _setup(policy="p=f32,c=bf16,o=f32,dot=fp8,amax_history=4", loss_scale=None,
   x, _ = _batch()
   variables = module_policy.wrap_apply(model.init)(jax.random.key(0), x)
   state = jaxmp.flax.TrainState.create(
-      apply_fn=model.apply, params=variables["params"], fp8_meta=variables[META],
+      apply_fn=model.apply, params=variables,
       tx=tx or optax.adam(1e-2), policy=policy,
       loss_scale=loss_scale or jaxmp.DynamicLossScale(2.0**12))
   return model, module_policy, variables, state
@@ -60,8 +60,8 @@ def _mse_of(out, y):
 
 
 def _mse(state):
-  def loss_fn(params, x, y):
-    return _mse_of(state.apply_fn({"params": params}, x), y)
+  def loss_fn(variables, x, y):
+    return _mse_of(state.apply_fn(variables, x), y)
   return loss_fn
 
 
@@ -150,12 +150,12 @@ def test_finite_step_meta_is_flax_rule_on_unscaled_gradients():
   tx = optax.adam(1e-2)
   updates, _ = tx.update(grads["params"], tx.init(variables["params"]),
                          variables["params"])
-  chex.assert_trees_all_equal(new_state.fp8_meta, grads[META])
+  chex.assert_trees_all_equal(new_state.params[META], grads[META])
   # The params agree to the last bit or so (XLA fuses Adam differently).
   chex.assert_trees_all_close(
-      new_state.params, optax.apply_updates(variables["params"], updates),
+      new_state.params["params"], optax.apply_updates(variables["params"], updates),
       rtol=1e-6, atol=1e-8)
-  history = new_state.fp8_meta["Dense_1"][OP]["output_grad_amax_history"]
+  history = new_state.params[META]["Dense_1"][OP]["output_grad_amax_history"]
   assert 0 < float(history[0]) < 1  # unscaled: not 2**12 times the gradient
 
 
@@ -174,8 +174,8 @@ def test_an_op_that_did_not_run_keeps_its_meta():
   _, _, _, state = _setup(model=TwoHeads())
   x, y = _batch()
 
-  def loss_fn(params, x, y):
-    return _mse_of(state.apply_fn({"params": params}, x, only_a=True), y)
+  def loss_fn(variables, x, y):
+    return _mse_of(state.apply_fn(variables, x, only_a=True), y)
 
   @jax.jit
   def step(state, x, y):
@@ -184,9 +184,9 @@ def test_an_op_that_did_not_run_keeps_its_meta():
 
   new_state = step(state, x, y)
   assert int(new_state.metrics["skipped_steps"]) == 0
-  chex.assert_trees_all_equal(new_state.fp8_meta["b"], state.fp8_meta["b"])
+  chex.assert_trees_all_equal(new_state.params[META]["b"], state.params[META]["b"])
   # The op that ran is written (its scales move from the next step on).
-  assert float(new_state.fp8_meta["a"][OP]["input_amax_history"][0]) > 0
+  assert float(new_state.params[META]["a"][OP]["input_amax_history"][0]) > 0
 
 
 @pytest.mark.parametrize("use_bias", [True, False])
@@ -199,7 +199,7 @@ def test_injected_inf_keeps_params_opt_state_and_meta(use_bias):
   state, _ = jax.jit(_step)(state, x, y)  # one finite step: non-trivial meta
 
   def overflowing(state, x, y):
-    loss_fn = lambda params: jnp.sum(state.apply_fn({"params": params}, x)) * 1e38
+    loss_fn = lambda variables: jnp.sum(state.apply_fn(variables, x)) * 1e38
     loss, grads = state.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), grads
 
@@ -211,7 +211,7 @@ def test_injected_inf_keeps_params_opt_state_and_meta(use_bias):
   chex.assert_trees_all_equal(new_state.params, state.params)
   chex.assert_trees_all_equal(new_state.opt_state.inner_state,
                               state.opt_state.inner_state)
-  chex.assert_trees_all_equal(new_state.fp8_meta, state.fp8_meta)
+  chex.assert_trees_all_equal(new_state.params[META], state.params[META])
 
 
 def _saturation(meta):
@@ -251,7 +251,7 @@ def test_loss_scale_growth_and_backoff_cause_no_fp8_overflow():
     naive_meta, opt_state = naive_step(variables["params"], naive_meta, opt_state, targets)
     state, _ = step(state, x, targets)
     naive.append(max(_saturation(naive_meta)))
-    ours.append(max(_saturation(state.fp8_meta)))
+    ours.append(max(_saturation(state.params[META])))
   assert float(state.loss_scale.loss_scale) == float(
       jaxmp.get_loss_scale(opt_state).loss_scale) == 2.0**11
   # Steps 2 and 3 follow a doubling: Flax's op clips the largest output
@@ -279,12 +279,12 @@ def test_sharded_jit_keeps_meta_replicated_and_consistent():
   rows = NamedSharding(mesh, P("data"))
   sharded, _ = step(jax.device_put(state, replicated),
                     jax.device_put(x, rows), jax.device_put(y, rows))
-  for leaf in jax.tree_util.tree_leaves(sharded.fp8_meta):
+  for leaf in jax.tree_util.tree_leaves(sharded.params[META]):
     assert leaf.sharding.is_fully_replicated
     shards = [np.asarray(s.data) for s in leaf.addressable_shards]
     assert len(shards) == 8 and all((s == shards[0]).all() for s in shards)
   # The amaxes are maxima, exact in any order: the meta is the single device's.
-  chex.assert_trees_all_equal(jax.device_get(sharded.fp8_meta), single.fp8_meta)
+  chex.assert_trees_all_equal(jax.device_get(sharded.params[META]), single.params[META])
 
 
 def test_second_step_no_retrace_no_host_transfer():
@@ -310,35 +310,36 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
   jaxmp.flax.save_checkpoint(tmp_path / "ckpt", state)
   _, _, _, fresh = _setup()
   resumed = jaxmp.flax.restore_checkpoint(tmp_path / "ckpt", fresh)
-  chex.assert_trees_all_equal(resumed.fp8_meta, state.fp8_meta)
+  chex.assert_trees_all_equal(resumed.params[META], state.params[META])
   for _ in range(2):
     state, _ = step(state, x, y)
     resumed, _ = step(resumed, x, y)
   chex.assert_trees_all_equal(resumed.params, state.params)
-  chex.assert_trees_all_equal(resumed.fp8_meta, state.fp8_meta)
+  chex.assert_trees_all_equal(resumed.params[META], state.params[META])
   chex.assert_trees_all_equal(resumed.opt_state, state.opt_state)
 
 
 # The fallback helpers.
 
 
-def test_fallback_reports_layers_and_a_switch_out_of_fp8_drops_the_meta():
+def test_fallback_reports_layers_and_a_switch_out_of_fp8_keeps_the_meta_unused():
   """find_overflowing_modules reports the Dense layers, never the FP8 op
-  inside them; switch_precision to a policy without FP8 drops the meta, says
-  so, and the state then trains in float32."""
+  inside them; switch_precision to a policy without FP8 says so, and the
+  state then trains in float32 with the same loss function, its meta kept."""
   _, _, variables, state = _setup()
   x, y = _batch()
   report = jaxmp.flax.find_overflowing_modules(
-      state.apply_fn, {"params": state.params, META: state.fp8_meta}, x)
+      state.apply_fn, state.params, x)
   assert [c.path for c in report.calls] == ["", "Dense_0", "Dense_1"]
-  with pytest.warns(UserWarning, match=r"runs no FP8 matmuls, so the state's FP8 "
-                    r"meta is dropped \(fp8_meta=None\)"):
+  with pytest.warns(UserWarning, match=r"runs no FP8 matmuls: .* the state's FP8 "
+                    r"meta stays in params unused"):
     switched = jaxmp.switch_precision(state, "float32")
-  assert switched.fp8_meta is None and switched.params is state.params
+  assert switched.params is state.params
   assert [d for _, d in matmul_dtypes(switched.apply_fn, variables, x)] == [
       ("float32", "float32")] * 2
-  switched, _ = jax.jit(_step)(switched, x, y)
-  assert int(switched.metrics["skipped_steps"]) == 0
+  stepped, _ = jax.jit(_step)(switched, x, y)  # the same loss function
+  assert int(stepped.metrics["skipped_steps"]) == 0
+  chex.assert_trees_all_equal(stepped.params[META], state.params[META])
 
 
 # The byte-level LM.
@@ -357,11 +358,10 @@ def _lm_losses(policy_name, steps, seed=0):
   policy = jaxmp.flax.ModulePolicy({}, default=policy_name)
   variables = policy.wrap_apply(model.init)(jax.random.key(seed), batches[0, :, :-1])
   state = jaxmp.flax.TrainState.create(
-      apply_fn=model.apply, params=variables["params"],
-      fp8_meta=variables.get(META), tx=optax.adam(3e-3), policy=policy)
+      apply_fn=model.apply, params=variables, tx=optax.adam(3e-3), policy=policy)
 
-  def loss_fn(params, batch):
-    logits = state.apply_fn({"params": params}, batch[:, :-1])
+  def loss_fn(variables, batch):
+    logits = state.apply_fn(variables, batch[:, :-1])
     return optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), batch[:, 1:]).mean()
 

@@ -5,27 +5,27 @@ from __future__ import annotations
 from typing import Any
 
 from jaxmp._src.loss_scale import DynamicLossScale, LossScale, NoOpLossScale
-from jaxmp._src.policy import PolicyLike, get_policy
+from jaxmp._src.policy import get_policy
 
 
-def as_policy(spec: Any) -> PolicyLike:
+def as_policy(spec: Any) -> Any:
   """Returns ``spec`` as a policy: a policy kind as is, else ``get_policy(spec)``.
 
   Accepts anything :func:`jaxmp.get_policy` takes and every policy kind
   (:class:`jaxmp.Policy`, :class:`jaxmp.PathPolicy`,
-  :class:`jaxmp.flax.ModulePolicy`, or any class with the members of
-  :class:`PolicyLike`).
+  :class:`jaxmp.flax.ModulePolicy`, or any class with their members, which
+  is all :class:`jaxmp.flax.TrainState` uses).
   """
-  # The members are looked up on the class: ``isinstance(spec, PolicyLike)``
-  # would evaluate the ``io_policy`` property, which raises for a rule-based
-  # policy without a default.
+  # The members are looked up on the class: the ``io_policy`` property raises
+  # for a rule-based policy without a default.
   if not isinstance(spec, str) and all(
       hasattr(type(spec), name) for name in _POLICY_MEMBERS):
     return spec
   return get_policy(spec)
 
 
-_POLICY_MEMBERS = tuple(name for name in vars(PolicyLike) if not name.startswith("_"))
+_POLICY_MEMBERS = ("needs_loss_scaling", "io_policy", "params_for_storage",
+                   "params_for_compute", "wrap_apply", "for_autocast")
 
 
 def default_loss_scale(policy: Any) -> LossScale:

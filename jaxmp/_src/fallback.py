@@ -39,7 +39,6 @@ from jaxmp._src.loss_scaling import (
     with_loss_scale,
 )
 from jaxmp._src.monitor import LossScaleMonitor
-from jaxmp._src.policy import PolicyLike
 from jaxmp._src.validation import check_number, listing
 
 _logger = logging.getLogger("jaxmp")
@@ -103,7 +102,7 @@ def _current_loss_scale(target: Any) -> LossScale:
     ) from None
 
 
-def _next_loss_scale(current: LossScale, policy: PolicyLike):
+def _next_loss_scale(current: LossScale, policy: Any):
   """The loss scale to switch to, or ``None`` to keep ``current``."""
   if policy.needs_loss_scaling:
     if isinstance(current, NoOpLossScale):
@@ -147,7 +146,8 @@ def switch_precision(target: Any, policy: Any, *, model: Any = None) -> Any:
   * FP8 (a policy with ``dot=fp8``, see the FP8 guide): the layers the new
     policy runs without FP8 leave it, with a warning. An NNX layer loses its
     FP8 op and the :class:`jaxmp.flax.Fp8Meta` in it; a ``TrainState``
-    switched to a policy without FP8 matmuls gets ``fp8_meta=None``.
+    switched to a policy without FP8 matmuls keeps its meta in ``params``,
+    unused and unchanged, so the loss function keeps its variables.
 
   Args:
     target: the training state: any pytree holding a
@@ -196,7 +196,7 @@ def switch_precision(target: Any, policy: Any, *, model: Any = None) -> Any:
 # The controller.
 
 
-def _policies_in(policy: PolicyLike) -> list[Any]:
+def _policies_in(policy: Any) -> list[Any]:
   """The plain policies a policy is made of (its own, or its rules' and default)."""
   if hasattr(policy, "compute_dtype"):
     return [policy]
@@ -205,7 +205,7 @@ def _policies_in(policy: PolicyLike) -> list[Any]:
   return found + ([default] if default is not None else [])
 
 
-def _computes_in_bfloat16(policy: PolicyLike) -> bool:
+def _computes_in_bfloat16(policy: Any) -> bool:
   return any(np.dtype(p.compute_dtype) == np.dtype(jnp.bfloat16)
              for p in _policies_in(policy))
 
@@ -217,7 +217,7 @@ def _default_ladder(hardware: HardwareReport) -> tuple[str, ...]:
 
 
 def _check_ladder(ladder: Any, hardware: HardwareReport,
-                  on_failure: str) -> tuple[PolicyLike, ...]:
+                  on_failure: str) -> tuple[Any, ...]:
   owner = "PrecisionFallback"
   if isinstance(ladder, str) or not isinstance(ladder, Sequence):
     raise TypeError(
@@ -387,8 +387,8 @@ class PrecisionFallback:
     self.hardware = hardware
     if ladder is None:
       ladder = _default_ladder(hardware)
-    self.ladder: tuple[PolicyLike, ...] = _check_ladder(ladder, hardware, on_failure)
-    self.policy: PolicyLike = self.ladder[0]
+    self.ladder: tuple[Any, ...] = _check_ladder(ladder, hardware, on_failure)
+    self.policy: Any = self.ladder[0]
     self.rung = 0
     self.events: list[PrecisionSwitch] = []
     self.monitor = LossScaleMonitor(every=self.every, window=self.window,
@@ -400,7 +400,7 @@ class PrecisionFallback:
     self._rate_logged = False
 
   @property
-  def next_policy(self) -> PolicyLike | None:
+  def next_policy(self) -> Any:
     """The rung after the current one, or ``None`` on the last rung."""
     if self.rung + 1 < len(self.ladder):
       return self.ladder[self.rung + 1]

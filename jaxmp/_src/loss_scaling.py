@@ -253,8 +253,7 @@ def _refuse_fp8_meta(updates: Any, owner: str) -> None:
         "the optimizer would update them. Use jaxmp.flax.TrainState, whose "
         "apply_gradients keeps the meta out of the optimizer and guards it; "
         "or pass only grads['params'] to update and keep the meta with "
-        "jaxmp.select_tree(jaxmp.loss_scaling_metrics(opt_state)"
-        "['last_finite'], new_meta, old_meta).")
+        "jaxmp.keep_on_skip(opt_state, new_meta, old_meta).")
 
 
 def agree_on_finite(finite: jax.Array, axis_name: AxisName | None,

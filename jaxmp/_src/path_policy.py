@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping, TypeVar
 
 import jax
 
-from jaxmp._src.policy import Policy, apply_under_policy, is_floating_array
+from jaxmp._src.policy import Policy, is_floating_array
 from jaxmp._src.rules import RuleTable, RuleTablePolicy, check_pattern, rule_table
 
 T = TypeVar("T")
@@ -117,9 +117,6 @@ class PathPolicy(RuleTablePolicy):
         key_description="pattern",
         exclusive_hint=" (anchor the patterns with ^ and $)"))
 
-
-
-
   def policy_for(self, path: str) -> Policy:
     """Returns the policy of the leaf at ``path`` (a ``/``-separated string).
 
@@ -195,7 +192,6 @@ class PathPolicy(RuleTablePolicy):
     """Casts each floating leaf to its policy's ``output_dtype``."""
     return self._cast(tree, Policy.cast_to_output)
 
-
   def params_for_storage(self, params: Any) -> Any:
     """Casts each param to its policy's ``param_dtype``."""
     return self.cast_to_param(params)
@@ -254,8 +250,9 @@ class PathPolicy(RuleTablePolicy):
       ...  for e in jaxpr.eqns if e.primitive.name == "dot_general"]
       [('bfloat16', 'bfloat16'), ('float32', 'float32')]
     """
-    return apply_under_policy(self, apply_fn)
+    from jaxmp._src.flax.apply import apply_under_policy  # pylint: disable=g-import-not-at-top
 
+    return apply_under_policy(self, apply_fn)
 
   def __str__(self) -> str:
     return f"PathPolicy({self.table})"

@@ -7,14 +7,11 @@ string grammar (``"p=f32,c=bf16,o=f32"``), a few presets and plain dtype names.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import difflib
-import functools
 import warnings
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -241,167 +238,6 @@ def _warn_narrow_params(policy: "Policy") -> None:
   )
 
 
-@runtime_checkable
-class PolicyLike(Protocol):
-  """What every policy kind offers: :class:`Policy`, :class:`jaxmp.PathPolicy`
-  and :class:`jaxmp.flax.ModulePolicy`.
-
-  :class:`jaxmp.flax.TrainState` (and anything else that trains under a
-  policy) uses only these members, so a new policy kind that provides them
-  works there unchanged. (:class:`Policy` and :class:`jaxmp.PathPolicy` also
-  cast any pytree with ``cast_to_param``/``cast_to_compute``/
-  ``cast_to_output``; a module policy casts inside the modules instead.)
-  """
-
-  @property
-  def needs_loss_scaling(self) -> bool: ...
-
-  @property
-  def io_policy(self) -> Policy:
-    """The policy of a model's inputs and outputs (the loss included)."""
-    ...
-
-  def params_for_storage(self, params: Any) -> Any:
-    """The params as they are stored: the master copy the optimizer updates."""
-    ...
-
-  def params_for_compute(self, params: Any) -> Any:
-    """The params as the forward pass receives them."""
-    ...
-
-  def wrap_apply(self, apply_fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``apply_fn`` (e.g. a Linen ``model.apply``) running under the policy."""
-    ...
-
-  def for_autocast(self) -> tuple[Any, Any]:
-    """``(policy, scope_policies)`` for :func:`jaxmp.autocast`.
-
-    The policy to run the model under when each operation is cast by
-    ``jaxmp.autocast``, and the scope patterns (or ``None``) that keep the
-    policy's pinned parts in their own precision.
-    """
-    ...
-
-
-def returns_collections(apply_kwargs: Mapping[str, Any]) -> bool:
-  """Whether a Linen ``apply`` called with ``apply_kwargs`` returns a pair.
-
-  ``model.apply(..., mutable=...)`` (anything but ``False``) and
-  ``capture_intermediates=...`` return ``(output, updated_collections)``.
-  """
-  return apply_kwargs.get("mutable", False) is not False or bool(
-      apply_kwargs.get("capture_intermediates", False)
-  )
-
-
-def cast_apply_output(io_policy: "Policy", result: Any,
-                      apply_kwargs: Mapping[str, Any]) -> Any:
-  """Casts what a Linen ``apply`` returned to ``io_policy``'s output dtype.
-
-  With ``mutable=...`` (or ``capture_intermediates``) only the output is
-  cast; the updated collections (``batch_stats`` ...) keep their own dtype.
-  """
-  if returns_collections(apply_kwargs):
-    out, collections = result
-    return io_policy.cast_to_output(out), collections
-  return io_policy.cast_to_output(result)
-
-
-# Collections that every wrapped apply function adds to its variables (the FP8
-# meta, while jaxmp.flax.TrainState.value_and_grad traces the loss), with a
-# record of whether one used them; None otherwise.
-_PROVIDED_COLLECTIONS: contextvars.ContextVar[Any] = contextvars.ContextVar(
-    "jaxmp_provided_collections", default=None)
-
-
-@contextlib.contextmanager
-def providing_collections(collections: Mapping[str, Any]) -> Iterator[list[bool]]:
-  """Within the block, every ``wrap_apply`` function receives ``collections``.
-
-  Each is added to the ``variables`` of the call (a Mapping), which must not
-  hold it already. Yields a list that holds ``True`` once a wrapped apply
-  function has received them, so that the caller can tell a loss function
-  that never called one.
-  """
-  used: list[bool] = []
-  token = _PROVIDED_COLLECTIONS.set((dict(collections), used))
-  try:
-    yield used
-  finally:
-    _PROVIDED_COLLECTIONS.reset(token)
-
-
-def _with_provided_collections(args: tuple[Any, ...]) -> tuple[Any, ...]:
-  """``args`` with the provided collections added to ``args[0]`` (variables)."""
-  provided = _PROVIDED_COLLECTIONS.get()
-  if provided is None or not args or not isinstance(args[0], Mapping):
-    return args
-  collections, used = provided
-  variables = args[0]
-  given = sorted(set(collections) & set(variables))
-  if given:
-    raise ValueError(
-        f"The variables passed to state.apply_fn already hold {given[0]!r}, "
-        "which state.value_and_grad provides itself (the FP8 meta of the "
-        "state, differentiated to get its new values). Call "
-        "state.apply_fn({'params': params}, ...) inside the loss function.")
-  used.append(True)
-  return ({**variables, **collections}, *args[1:])
-
-
-class WrappedApply:
-  """What ``wrap_apply`` returns: ``run(policy, apply_fn, *args, **kwargs)``.
-
-  It has ``apply_fn``'s name and docstring, and compares (and hashes) equal
-  to another made from an equal policy and an equal ``apply_fn``, as bound
-  methods such as ``model.apply`` do: as a static argument of ``jax.jit`` it
-  does not recompile for each ``wrap_apply`` call.
-  """
-
-  def __init__(self, run: Callable[..., Any], policy: Any, apply_fn: Callable[..., Any]):
-    self._run, self.policy, self.apply_fn = run, policy, apply_fn
-    functools.update_wrapper(self, apply_fn, updated=())
-
-  def __call__(self, *args, **kwargs):
-    args = _with_provided_collections(args)
-    return self._run(self.policy, self.apply_fn, *args, **kwargs)
-
-  def _key(self) -> tuple[Any, ...]:
-    return (self._run, self.policy, self.apply_fn)
-
-  def __eq__(self, other: object) -> bool:
-    return isinstance(other, WrappedApply) and self._key() == other._key()
-
-  def __hash__(self) -> int:
-    return hash(self._key())
-
-
-def _apply_under(policy: PolicyLike, apply_fn: Callable[..., Any], variables: Any,
-                 *args, **kwargs) -> Any:
-  """``apply_fn(variables, *args, **kwargs)`` run under ``policy``.
-
-  Shared by :meth:`Policy.wrap_apply` and :meth:`jaxmp.PathPolicy.wrap_apply`:
-  ``variables["params"]`` is cast with ``policy.params_for_compute``, the
-  floating inputs to the compute dtype and the output to the output dtype of
-  ``policy.io_policy``.
-  """
-  io_policy = policy.io_policy
-  if isinstance(variables, Mapping) and "params" in variables:
-    variables = {**variables, "params": policy.params_for_compute(variables["params"])}
-  args, kwargs = io_policy.cast_to_compute((args, kwargs))
-  return cast_apply_output(io_policy, apply_fn(variables, *args, **kwargs), kwargs)
-
-
-def apply_under_policy(policy: PolicyLike, apply_fn: Callable[..., Any]) -> WrappedApply:
-  """``apply_fn`` running under ``policy`` (see :meth:`Policy.wrap_apply`).
-
-  Raises:
-    ValueError: if ``policy`` has no policy for inputs and outputs.
-  """
-  _ = policy.io_policy  # raises now, not at the first call, without one
-  return WrappedApply(_apply_under, policy, apply_fn)
-
-
 @dataclasses.dataclass(frozen=True)
 class Policy:
   """The dtypes of parameters, computation and outputs.
@@ -491,21 +327,11 @@ class Policy:
   def wrap_apply(self, apply_fn: Callable[..., Any]) -> Callable[..., Any]:
     """Returns ``apply_fn`` (e.g. a Linen ``model.apply``) running under the policy.
 
-    The returned function has the signature of ``apply_fn``,
-    ``(variables, *args, **kwargs)``. It casts ``variables["params"]`` to the
-    compute dtype (other collections, such as ``batch_stats``, are passed as
-    they are), the floating positional and keyword inputs to the compute dtype
-    (integer inputs such as token ids are unchanged), and the output to the
-    output dtype. With ``mutable=[...]``, where ``apply`` returns
-    ``(output, updated_collections)``, only the output is cast. So a loss
-    function that closes over a float32 batch, and an eval step, both compute
-    in the compute dtype. :class:`jaxmp.flax.TrainState` wraps its
-    ``apply_fn`` with this.
-
-    The model's own ``dtype=`` declarations still win inside the model: a
-    Flax layer built with ``dtype=jnp.float32`` computes in float32. See
-    :class:`jaxmp.flax.ModulePolicy` (``override_dtype=True``) to override
-    them without editing the model.
+    It casts ``variables["params"]`` and the floating inputs (not token
+    ids) to the compute dtype, and the output to the output dtype (with
+    ``mutable=[...]``, only the output, not the updated collections). A
+    layer's own ``dtype=`` still wins inside the model (see
+    :class:`jaxmp.flax.ModulePolicy`, ``override_dtype=True``).
 
     Args:
       apply_fn: a function of ``(variables, *args, **kwargs)``.
@@ -527,6 +353,8 @@ class Policy:
       >>> apply(variables, x).dtype  # the output dtype
       dtype('float32')
     """
+    from jaxmp._src.flax.apply import apply_under_policy  # pylint: disable=g-import-not-at-top
+
     return apply_under_policy(self, apply_fn)
 
   @property
@@ -560,10 +388,10 @@ class Fp8Policy(Policy):
   are cast to float8 E4M3 and its output gradient to float8 E5M2, each with a
   float32 scale per tensor computed from a history of the tensor's absolute
   maximum (delayed scaling). That meta state lives in the Flax collection
-  ``"_overwrite_with_gradient"``; :class:`jaxmp.flax.TrainState` keeps it in
-  its ``fp8_meta`` field, out of the optimizer, and guards it like the
-  params (see the FP8 guide). A Linen ``nn.Einsum`` takes no
-  ``dot_general_cls`` and is refused. In an NNX model, ``nnx.Linear``,
+  ``"_overwrite_with_gradient"``, which a :class:`jaxmp.flax.TrainState`
+  keeps next to the params, as Flax's own ``TrainState`` does, out of the
+  optimizer and guarded like the params (see the FP8 guide). A Linen
+  ``nn.Einsum`` takes no ``dot_general_cls`` and is refused. In an NNX model, ``nnx.Linear``,
   ``nnx.LinearGeneral`` and ``nnx.Einsum`` get ops on Flax's
   ``fp8_scaled_dot_general`` from
   :meth:`jaxmp.flax.ModulePolicy.set_nnx_dtypes`, their meta in
@@ -618,8 +446,7 @@ class Fp8Policy(Policy):
     """Refuses: the FP8 matmuls are injected by a module policy.
 
     Raises:
-      ValueError: always; the message names
-        ``jaxmp.flax.ModulePolicy({}, default=policy).wrap_apply(...)``.
+      ValueError: always; the message names the module policy.
     """
     raise ValueError(
         f"{self}: the FP8 matmuls are injected into the Linen Dense and "
@@ -628,17 +455,6 @@ class Fp8Policy(Policy):
         ".wrap_apply(model.apply) (and .wrap_apply(model.init) to create the "
         "FP8 meta), or jaxmp.flax.TrainState.create(..., policy=policy), "
         "which does it for you.")
-
-  def for_autocast(self) -> tuple[Policy, None]:
-    """Refuses: :func:`jaxmp.autocast` cannot run FP8 matmuls.
-
-    Raises:
-      ValueError: always.
-    """
-    raise ValueError(
-        f"{self}: jaxmp.autocast casts each operation to a dtype, and FP8 "
-        "matmuls need per-tensor scales that only the FP8 modules keep. Train "
-        "FP8 without autocast (TrainState.create(..., autocast=False)).")
 
   def __str__(self) -> str:
     text = super().__str__() + ",dot=fp8"

@@ -163,25 +163,24 @@ def in_step_units(fp8_meta: Any, loss_scale: jax.Array) -> Any:
   return jax.tree_util.tree_map_with_path(convert, fp8_meta)
 
 
-def split_fp8_grads(grads: Any) -> tuple[Any, Any] | None:
-  """``(param_grads, new_fp8_meta)`` of ``{"params": ..., FP8_META: ...}``.
+def split_fp8_grads(tree: Any, owner: str = "TrainState") -> tuple[Any, Any] | None:
+  """``(params, fp8_meta)`` of Flax's FP8 layout ``{"params": ..., FP8_META: ...}``.
 
-  ``None`` when ``grads`` holds no FP8 meta (the plain gradients of the
-  params).
+  The variables (or their gradients, or a ``TrainState``'s ``params``) of a
+  model with FP8 ops; ``None`` for a tree without the meta collection.
 
   Raises:
-    ValueError: if ``grads`` holds the meta next to other keys than
+    ValueError: if ``tree`` holds the meta next to other keys than
       ``"params"``.
   """
-  if not (isinstance(grads, Mapping) and FP8_META in grads):
+  if not (isinstance(tree, Mapping) and FP8_META in tree):
     return None
-  if set(grads) != {"params", FP8_META}:
+  if set(tree) != {"params", FP8_META}:
     raise ValueError(
-        f"The gradients hold the FP8 meta ({FP8_META!r}) next to "
-        f"{sorted(k for k in grads if k != FP8_META)}; expected exactly "
-        f"{{'params': param_grads, {FP8_META!r}: new_meta}}, as "
-        "state.value_and_grad returns them.")
-  return grads["params"], grads[FP8_META]
+        f"{owner}: Flax's FP8 layout is {{'params': ..., {FP8_META!r}: ...}}, "
+        f"got the keys {sorted(tree)}. "
+        "Keep other collections (batch_stats) in fields of their own.")
+  return tree["params"], tree[FP8_META]
 
 
 def keep_meta_of_ops_that_did_not_run(old_meta: Any, new_meta: Any) -> Any:

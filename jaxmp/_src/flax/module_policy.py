@@ -24,15 +24,11 @@ import numpy as np
 from flax import struct
 from flax.core import meta
 
+from jaxmp._src.flax.apply import WrappedApply, cast_apply_output
 from jaxmp._src.flax.fp8 import fp8_dot_general_cls, uses_fp8
 from jaxmp._src.flax.fp8_nnx import attach_fp8_op
 from jaxmp._src.precision_audit import PrecisionWarning
-from jaxmp._src.policy import (
-  Policy,
-  WrappedApply,
-  cast_apply_output,
-  is_floating_array,
-)
+from jaxmp._src.policy import Policy, is_floating_array
 from jaxmp._src.rules import (
   RuleTable,
   RuleTablePolicy,

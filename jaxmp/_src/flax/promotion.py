@@ -308,8 +308,8 @@ def _linen(apply_fn: Callable[..., Any], args: tuple[Any, ...],
     raise ValueError(
         "find_overflowing_modules: the model runs FP8 matmuls, whose meta "
         f"(the {FP8_META!r} collection) is not in the variables given. Pass "
-        "it with the params: find_overflowing_modules(state.apply_fn, "
-        f"{{'params': state.params, {FP8_META!r}: state.fp8_meta}}, x)."
+        "it with the params, as a TrainState holds them: "
+        "find_overflowing_modules(state.apply_fn, state.params, x)."
     ) from None
   return recorder.report(flags, grads)
 

@@ -22,11 +22,13 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jaxmp._src.flax.apply import WrappedApply
+from jaxmp._src.flax.fp8 import split_fp8_grads
 from jaxmp._src.flax.fp8_nnx import detach_fp8_ops, is_fp8_op, reattach_fp8_op
 from jaxmp._src.flax.module_policy import ModulePolicy, runs_fp8
-from jaxmp._src.flax.train_state import TrainState
+from jaxmp._src.flax.train_state import TrainState, wrap_apply
 from jaxmp._src.loss_scaling import with_initial_loss_scale, with_loss_scale
-from jaxmp._src.policy import Fp8Policy, Policy, WrappedApply
+from jaxmp._src.policy import Fp8Policy, Policy
 from jaxmp._src.validation import listing
 
 Switch = Callable[[Any, Any, Any, Any], Any]
@@ -68,24 +70,23 @@ def _switch_train_state(state: TrainState, policy: Any, loss_scale: Any,
     )
   if isinstance(policy, Fp8Policy):
     policy = ModulePolicy({}, default=policy)  # as TrainState.create does
-  _check_storage_dtypes(state.params, policy)
-  fp8_meta = state.fp8_meta
+  split = split_fp8_grads(state.params)
+  _check_storage_dtypes(state.params if split is None else split[0], policy)
   fp8_policy = runs_fp8(policy)
-  if fp8_policy and fp8_meta is None:
+  if fp8_policy and split is None:
     raise ValueError(
         f"switch_precision: the policy {policy} runs FP8 matmuls, but the "
-        "state has no FP8 meta (TrainState.fp8_meta) for them. A switch goes "
-        "towards wider dtypes and keeps the state it finds; to train in FP8, "
-        "build a new state with the FP8 policy: variables = "
-        "policy.wrap_apply(model.init)(key, x), then TrainState.create(..., "
-        "fp8_meta=variables['_overwrite_with_gradient'], policy=policy).")
-  if fp8_meta is not None and not fp8_policy:
+        "state has no FP8 meta for them. A switch goes towards wider dtypes "
+        "and keeps the state it finds; to train in FP8, build a new state "
+        "with the FP8 policy: variables = policy.wrap_apply(model.init)(key, "
+        "x), then TrainState.create(..., params=variables, policy=policy).")
+  if split is not None and not fp8_policy:
     warnings.warn(
-        f"switch_precision: the policy {policy} runs no FP8 matmuls, so the "
-        "state's FP8 meta is dropped (fp8_meta=None) and the Dense, "
-        "DenseGeneral and Einsum layers compute in the new policy's dtype.",
-        UserWarning, stacklevel=3)
-    fp8_meta = None
+        f"switch_precision: the policy {policy} runs no FP8 matmuls: the "
+        "Dense, DenseGeneral and Einsum layers compute in the new policy's "
+        "dtype, and the state's FP8 meta stays in params unused (kept as it "
+        "is), so the loss function keeps its variables.", UserWarning,
+        stacklevel=3)
   apply_fn = state.apply_fn
   if isinstance(apply_fn, WrappedApply):
     apply_fn = apply_fn.apply_fn  # the model's own apply, unwrapped
@@ -93,8 +94,8 @@ def _switch_train_state(state: TrainState, policy: Any, loss_scale: Any,
   if loss_scale is not None:
     tx = with_initial_loss_scale(tx, loss_scale)
     opt_state = with_loss_scale(opt_state, loss_scale)
-  return state.replace(policy=policy, apply_fn=policy.wrap_apply(apply_fn),
-                       tx=tx, opt_state=opt_state, fp8_meta=fp8_meta)
+  return state.replace(policy=policy, apply_fn=wrap_apply(
+      policy, apply_fn, state.autocast), tx=tx, opt_state=opt_state)
 
 
 def _as_module_policy(policy: Any) -> ModulePolicy:

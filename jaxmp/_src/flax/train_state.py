@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -31,7 +31,7 @@ from jaxmp._src.loss_scaling import (
   loss_scaling_metrics,
 )
 from jaxmp._src.precision_audit import warn_on_first_trace
-from jaxmp._src.policy import Fp8Policy, providing_collections
+from jaxmp._src.policy import Fp8Policy
 from jaxmp._src.recovery import keep_on_skip
 from jaxmp._src.validation import check_bool, jmp_loss_scale_fix
 from jaxmp._src.value_and_grad import scale_then_differentiate
@@ -63,20 +63,19 @@ class TrainState(train_state.TrainState):
   the inner state and do not advance on skipped steps.
 
   **FP8.** Under a policy with FP8 matmuls (``"mixed_fp8"``, see
-  :class:`jaxmp.Fp8Policy`), the scales and amax histories of Flax's FP8 ops
-  live in the field ``fp8_meta``, not among the params: the optimizer never
-  sees them. :meth:`value_and_grad` provides them to ``state.apply_fn`` and
-  returns their new values with the gradients, and :meth:`apply_gradients`
-  writes them on finite steps and keeps them bit-identical on skipped ones
-  (see the FP8 guide).
+  :class:`jaxmp.Fp8Policy`), ``params`` is Flax's FP8 layout, the variables
+  ``{"params": ..., "_overwrite_with_gradient": fp8_meta}``, as in Flax's own
+  ``TrainState``: the loss function takes the variables and passes them to
+  ``state.apply_fn``, the "gradient" of the meta is its new value, and only
+  ``"params"`` reaches the optimizer. :meth:`apply_gradients` writes the new
+  meta on finite steps and keeps it bit-identical on skipped ones; the
+  output-gradient meta is stored in unscaled units (see the FP8 guide).
 
   Attributes:
     policy: the :class:`jaxmp.Policy` (or :class:`jaxmp.PathPolicy`, or
       :class:`jaxmp.flax.ModulePolicy`); static, not a pytree leaf, and
       keyword-only, so that subclass fields need no default.
-    fp8_meta: the FP8 meta (Flax's ``"_overwrite_with_gradient"``
-      collection), its output-gradient part in unscaled units; ``None``
-      without FP8 matmuls.
+    autocast: whether the loss runs under :func:`jaxmp.autocast`; static.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxmp
@@ -97,7 +96,6 @@ class TrainState(train_state.TrainState):
 
   policy: Any = struct.field(pytree_node=False, default=None, kw_only=True)
   autocast: bool = struct.field(pytree_node=False, default=False, kw_only=True)
-  fp8_meta: Any = struct.field(default=None, kw_only=True)
 
   @classmethod
   def create(
@@ -112,7 +110,6 @@ class TrainState(train_state.TrainState):
       autocast: bool = False,
       clip_global_norm: float | None = None,
       guard: bool = True,
-      fp8_meta: Any = None,
       **kwargs,
   ) -> "TrainState":
     """Creates a state with ``step=0``; wraps ``tx`` with loss scaling.
@@ -120,11 +117,15 @@ class TrainState(train_state.TrainState):
     Args:
       apply_fn: usually ``model.apply``. It is wrapped by the policy's
         ``wrap_apply`` (which makes a :class:`jaxmp.flax.ModulePolicy` take
-        effect), so call ``state.apply_fn`` (not ``model.apply``) in the loss
-        function.
+        effect; under ``autocast``, only its pinned modules), so call
+        ``state.apply_fn`` (not ``model.apply``) in the loss function.
       params: the model's parameters; cast to the policy's ``param_dtype``
         (per path with a :class:`jaxmp.PathPolicy`; kept as they are with a
-        module policy).
+        module policy). With FP8 matmuls, the variables of
+        ``policy.wrap_apply(model.init)(...)`` (or of a model that uses
+        Flax's ``fp8_ops`` itself), ``{"params": ...,
+        "_overwrite_with_gradient": ...}``: the FP8 meta rides along, out of
+        the optimizer.
       tx: the optimizer, *not* yet wrapped with :func:`jaxmp.loss_scaling`
         (clipping, weight decay and schedules inside).
       policy: anything :func:`jaxmp.get_policy` takes (``"mixed_float16"``,
@@ -144,9 +145,10 @@ class TrainState(train_state.TrainState):
       autocast: run the loss under :func:`jaxmp.autocast`, which casts the
         inputs of each operation (matmuls and convolutions in the compute
         dtype, range-sensitive operations in float32) whatever dtype the
-        model declares. With a :class:`jaxmp.flax.ModulePolicy`, the modules
-        its rules match keep their own policy; a :class:`jaxmp.PathPolicy`
-        is refused (autocast casts operations, not parameters).
+        model declares; ``state.apply_fn`` then casts nothing itself. With a
+        :class:`jaxmp.flax.ModulePolicy`, the modules its rules match keep
+        their own policy; a :class:`jaxmp.PathPolicy` is refused (autocast
+        casts operations, not parameters).
       clip_global_norm: clip the unscaled gradients to this global norm,
         checking them in the same reduction; passed to
         :func:`jaxmp.loss_scaling`. Use it instead of
@@ -155,11 +157,6 @@ class TrainState(train_state.TrainState):
         passed to :func:`jaxmp.loss_scaling`. ``guard=False`` needs a
         :class:`jaxmp.NoOpLossScale` (the default under bfloat16 and
         float32): the check then costs nothing, and a nan step is applied.
-      fp8_meta: with FP8 matmuls, the initial FP8 meta:
-        ``variables["_overwrite_with_gradient"]`` of
-        ``policy.wrap_apply(model.init)(...)`` (or of a model that uses
-        Flax's ``fp8_ops`` itself). Required when the policy has FP8
-        matmuls.
       **kwargs: further fields of a subclass (``batch_stats=...``), as in
         Flax.
 
@@ -171,14 +168,18 @@ class TrainState(train_state.TrainState):
         is not a loss scale.
       ValueError: if ``tx`` is already wrapped with :func:`jaxmp.loss_scaling`,
         or a rule-based ``policy`` has no default (the inputs and the loss
-        need one); if the policy has FP8 matmuls and no ``fp8_meta`` is
-        given, or ``autocast`` is asked for; if ``params`` holds the FP8
-        meta collection.
+        need one); if the policy has FP8 matmuls and ``params`` holds no
+        FP8 meta, or ``autocast`` is asked for with FP8 meta.
     """
     policy = as_policy(policy)
     if isinstance(policy, Fp8Policy):
       policy = ModulePolicy({}, default=policy)
-    _check_fp8_arguments(policy, params, fp8_meta, autocast)
+    if "fp8_meta" in kwargs:
+      raise TypeError(
+          "TrainState.create takes the FP8 meta inside params, as Flax's "
+          "TrainState does: create(params=variables) with variables = "
+          f"{{'params': ..., {FP8_META!r}: ...}}, not fp8_meta=.")
+    meta = _check_fp8_arguments(policy, params, autocast)
     policy.io_policy  # pylint: disable=pointless-statement  # raises without a default
     if check_bool("TrainState.create", "autocast", autocast):
       policy, _ = policy.for_autocast()
@@ -196,8 +197,8 @@ class TrainState(train_state.TrainState):
           f"jaxmp.DynamicLossScale(); got {loss_scale!r}."
           f"{jmp_loss_scale_fix(loss_scale)}"
       )
-    apply_fn = policy.wrap_apply(apply_fn)
-    params = policy.params_for_storage(params)
+    apply_fn = wrap_apply(policy, apply_fn, autocast)
+    params = policy.params_for_storage(params if meta is None else params["params"])
     check_no_loss_scaling_state(
         jax.eval_shape(tx.init, params), owner="TrainState.create",
         subject="tx", fix="Pass the bare optimizer (e.g. optax.adamw(1e-3)) "
@@ -210,12 +211,11 @@ class TrainState(train_state.TrainState):
     return cls(
         step=jnp.zeros([], jnp.int32),
         apply_fn=apply_fn,
-        params=params,
+        params=params if meta is None else {"params": params, FP8_META: meta},
         tx=tx,
         opt_state=tx.init(params),
         policy=policy,
         autocast=autocast,
-        fp8_meta=fp8_meta,
         **kwargs,
     )
 
@@ -237,12 +237,13 @@ class TrainState(train_state.TrainState):
     not retrace), and one of another structure or shape is refused. Static
     fields (``struct.field(pytree_node=False)``) are replaced as given.
 
-    With FP8 matmuls, ``grads`` is what :meth:`value_and_grad` returns,
-    ``{"params": param_grads, "_overwrite_with_gradient": new_meta}`` (Flax's
-    layout): only ``param_grads`` go through the loss-scaling optimizer (the
-    unscale, the check, the inner optimizer); the new FP8 meta replaces
-    ``fp8_meta`` on a finite step and is dropped on a skipped one, like any
-    field. A new meta that is not finite makes the step non-finite.
+    With FP8 matmuls, ``grads`` is Flax's layout, ``{"params": param_grads,
+    "_overwrite_with_gradient": new_meta}``, as :meth:`value_and_grad`
+    returns it: only ``param_grads`` go through the loss-scaling optimizer
+    (the unscale, the check, the inner optimizer); the new meta replaces
+    ``params["_overwrite_with_gradient"]`` on a finite step and is dropped
+    on a skipped one (:func:`jaxmp.keep_on_skip`). A new meta that is not
+    finite makes the step non-finite.
 
     Args:
       grads: the gradients of the scaled loss, with the structure of
@@ -281,16 +282,19 @@ class TrainState(train_state.TrainState):
             f"{name}: Any) and give its first value to create(..., "
             f"{name}=...)."
         )
-    fp8 = self._split_fp8(grads, kwargs)
-    if fp8 is not None:
-      grads, new_meta = fp8
-      new_meta = keep_meta_of_ops_that_did_not_run(self.fp8_meta, new_meta)
+    old_meta = self._split_fp8(grads)
+    if old_meta is not None:
+      grads, new_meta = split_fp8_grads(grads)
+      new_meta = keep_meta_of_ops_that_did_not_run(old_meta, new_meta)
       # Flax's ops saturate an inf output gradient to the FP8 maximum, so the
       # weight gradients may look finite while the new amax is not: a
       # non-finite new meta makes the step non-finite too.
-      grads = skip_unless_meta_finite(grads, new_meta)
-      kwargs = {**kwargs, "fp8_meta": new_meta}
-    new_state = super().apply_gradients(grads=grads)
+      grads = {"params": skip_unless_meta_finite(grads, new_meta), FP8_META: new_meta}
+    new_state = super().apply_gradients(grads=grads)  # Flax's own FP8 layout
+    if old_meta is not None:
+      new_state = new_state.replace(params={
+          "params": new_state.params["params"],
+          FP8_META: keep_on_skip(new_state.opt_state, new_meta, old_meta)})
     written = {}
     for name, value in kwargs.items():
       if not fields[name].metadata.get("pytree_node", True):
@@ -308,26 +312,23 @@ class TrainState(train_state.TrainState):
         written[name] = keep_on_skip(new_state.opt_state, value, getattr(self, name))
     return new_state.replace(**written) if written else new_state
 
-  def _split_fp8(self, grads: Any, kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
-    """``(param_grads, new_meta)`` when ``grads`` brings FP8 meta, else None."""
-    split = split_fp8_grads(grads)
+  def _split_fp8(self, grads: Any) -> Any:
+    """The state's FP8 meta when it has one (and ``grads`` a new one), else None."""
     owner = f"{type(self).__name__}.apply_gradients"
-    if split is not None and self.fp8_meta is None:
+    new = split_fp8_grads(grads, owner=owner)
+    old = split_fp8_grads(self.params)
+    if new is not None and old is None:
       raise ValueError(
           f"{owner}: the gradients hold FP8 meta ({FP8_META!r}) but the state "
-          "has none. Give the initial meta to create: TrainState.create(..., "
-          f"fp8_meta=variables[{FP8_META!r}]).")
-    if split is None and self.fp8_meta is not None and "fp8_meta" not in kwargs:
+          "has none. Create the state with the variables, meta included: "
+          f"TrainState.create(params={{'params': ..., {FP8_META!r}: ...}}).")
+    if new is None and old is not None:
       raise ValueError(
           f"{owner}: the state has FP8 meta but the gradients bring no new "
-          f"meta, so the FP8 scales would never move. Take the gradients "
-          "from state.value_and_grad(loss_fn), which returns {'params': "
-          f"grads, {FP8_META!r}: new_meta}}.")
-    if split is not None and "fp8_meta" in kwargs:
-      raise ValueError(
-          f"{owner}: the new FP8 meta is given twice, in the gradients and as "
-          "fp8_meta=...; pass the gradients from state.value_and_grad alone.")
-    return split
+          "meta, so the FP8 scales would never move. Differentiate the whole "
+          "variables: state.value_and_grad(loss_fn)(state.params, ...) returns "
+          f"{{'params': grads, {FP8_META!r}: new_meta}}.")
+    return None if old is None else old[1]
 
   @property
   def loss_scale(self) -> LossScale:
@@ -370,19 +371,18 @@ class TrainState(train_state.TrainState):
         effect (a layer's own ``dtype=jnp.float32``, a float32 batch captured
         by ``loss_fn``'s closure). Off by default: no extra trace.
 
-    With FP8 meta (``state.fp8_meta``), each ``state.apply_fn`` call inside
-    ``loss_fn`` receives the meta (call it with ``{"params": params}``), with
-    its output-gradient part multiplied by the loss scale for the step; the
-    meta is differentiated too, and ``grads`` is
-    ``{"params": param_grads, "_overwrite_with_gradient": new_meta}``, the new
-    meta back in unscaled units.
+    With FP8 meta, ``params`` is ``state.params``, the variables
+    ``{"params": ..., "_overwrite_with_gradient": meta}``, and ``loss_fn``
+    passes them to ``state.apply_fn(variables, x)``, as in Flax. For the
+    step, the output-gradient meta is multiplied by the loss scale; its
+    "gradient" is its new value, divided back to unscaled units, and
+    ``grads`` has the layout of the variables.
 
     Returns:
       The function described above.
 
     Raises:
-      ValueError: if the state has no policy; with FP8 meta, if (when traced)
-        ``loss_fn`` never calls ``state.apply_fn``.
+      ValueError: if the state has no policy.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
@@ -402,26 +402,27 @@ class TrainState(train_state.TrainState):
           "the constructor."
       )
     io_policy = policy.io_policy
-
-    def run(params, *args, **kwargs):  # the batch as it is: see the docstring
-      params = policy.params_for_compute(params)
-      return io_policy.cast_to_output(loss_fn(params, *args, **kwargs))
-
+    loss_scale = self.loss_scale
+    cast_params, run_loss = policy.params_for_compute, loss_fn
     if self.autocast:
       # Each operation is cast by its rule: the float32 master params and the
       # inputs go in as they are (docs/autocast.md).
       _, scopes = policy.for_autocast()
-      cast_loss = autocast(loss_fn, io_policy, scope_policies=scopes)
+      cast_params = lambda params: params
+      run_loss = autocast(loss_fn, io_policy, scope_policies=scopes)
 
-      def run(params, *args, **kwargs):  # noqa: F811
-        return io_policy.cast_to_output(cast_loss(params, *args, **kwargs))
+    def run(params, *args, **kwargs):  # the batch as it is: see the docstring
+      if split_fp8_grads(params) is None:
+        params = cast_params(params)
+      else:  # Flax's FP8 layout: the meta in the step's units
+        params = {"params": cast_params(params["params"]), FP8_META: in_step_units(
+            params[FP8_META], loss_scale.loss_scale)}
+      return io_policy.cast_to_output(run_loss(params, *args, **kwargs))
 
     audit = check_bool("TrainState.value_and_grad", "audit", audit)
-    if self.fp8_meta is not None:
-      return _fp8_value_and_grad(self, run, loss_fn, has_aux, io_policy, audit)
 
     grad_fn = scale_then_differentiate(
-        jax.value_and_grad, run, self.loss_scale, argnums=0, has_aux=has_aux,
+        jax.value_and_grad, run, loss_scale, argnums=0, has_aux=has_aux,
         caller="TrainState.value_and_grad",
         state_hint="It reads the state's own loss scale.")
     # If asked, at trace time, once per compilation: warn if the policy does
@@ -431,64 +432,32 @@ class TrainState(train_state.TrainState):
         names_from=loss_fn) if audit else grad_fn
 
 
-def _fp8_value_and_grad(self, run, loss_fn, has_aux, io_policy, audit):
-  """:meth:`TrainState.value_and_grad` with the FP8 meta differentiated too.
-
-  ``run(params, *args, **kwargs)`` is the policy's loss. The meta is
-  provided to every ``state.apply_fn`` call inside it, in the step's units
-  (:func:`in_step_units`), and its new values are the meta's cotangents.
-  """
-  loss_scale = self.loss_scale
-  meta = self.fp8_meta
-
-  def run_with_meta(params_and_meta, *args, **kwargs):
-    params, step_meta = params_and_meta
-    with providing_collections({FP8_META: in_step_units(
-        step_meta, loss_scale.loss_scale)}) as used:
-      out = run(params, *args, **kwargs)
-    if not used:
-      raise ValueError(
-          "TrainState.value_and_grad: the state has FP8 meta, but the loss "
-          "function never called state.apply_fn, so the meta would get no "
-          "new values. Call state.apply_fn({'params': params}, ...) (not "
-          "model.apply) in the loss function.")
-    return out
-
-  grad_fn = scale_then_differentiate(
-      jax.value_and_grad, run_with_meta, loss_scale, argnums=0,
-      has_aux=has_aux, caller="TrainState.value_and_grad",
-      state_hint="It reads the state's own loss scale.")
-
-  def fp8_grad_fn(params, *args, **kwargs):
-    out, (grads, new_meta) = grad_fn((params, meta), *args, **kwargs)
-    return out, {"params": grads, FP8_META: new_meta}
-
-  return warn_on_first_trace(
-      fp8_grad_fn, lambda params, *a, **k: run_with_meta((params, meta), *a, **k),
-      compute_dtype=io_policy.compute_dtype, names_from=loss_fn
-  ) if audit else fp8_grad_fn
+def wrap_apply(policy: Any, apply_fn: Callable[..., Any], autocast: bool) -> Any:
+  """``apply_fn`` under ``policy``; under ``autocast``, which casts each
+  operation itself, only the modules a :class:`ModulePolicy` pins."""
+  if not autocast:
+    return policy.wrap_apply(apply_fn)
+  if isinstance(policy, ModulePolicy) and policy.rules:
+    pins = ModulePolicy(policy.rules, default=None, first_match=policy.first_match)
+    return pins.for_autocast()[0].wrap_apply(apply_fn)
+  return apply_fn
 
 
-def _check_fp8_arguments(policy: Any, params: Any, fp8_meta: Any,
-                         autocast: Any) -> None:
-  """Refuses FP8 matmuls without meta, the meta among the params, autocast."""
+def _check_fp8_arguments(policy: Any, params: Any, autocast: Any) -> Any:
+  """The FP8 meta in ``params`` (Flax's layout) or None; refuses FP8 matmuls
+  without meta, and autocast with meta."""
   owner = "TrainState.create"
-  if isinstance(params, Mapping) and FP8_META in params:
-    raise ValueError(
-        f"{owner}: params holds the FP8 meta collection {FP8_META!r}, where "
-        "the optimizer would update the scales (and the unscale divide them "
-        "by the loss scale). Pass the two collections apart: "
-        f"create(params=variables['params'], fp8_meta=variables[{FP8_META!r}]).")
-  fp8_policy = runs_fp8(policy)
-  if fp8_policy and fp8_meta is None:
+  meta = split_fp8_grads(params, owner=owner)
+  if runs_fp8(policy) and meta is None:
     raise ValueError(
         f"{owner}: the policy {policy} runs FP8 matmuls, whose scales and "
         "amax histories must be given: create the variables with the policy "
         "(variables = policy.wrap_apply(model.init)(key, x), or "
         "jaxmp.flax.ModulePolicy({}, default=policy) for a preset) and pass "
-        f"fp8_meta=variables[{FP8_META!r}].")
-  if (fp8_policy or fp8_meta is not None) and autocast is True:
+        f"them whole, params=variables ({{'params': ..., {FP8_META!r}: ...}}).")
+  if (runs_fp8(policy) or meta is not None) and autocast is True:
     raise ValueError(
         f"{owner}(autocast=True) cannot run FP8 matmuls: autocast casts each "
         "operation, and the FP8 ops keep per-tensor scales. Leave autocast "
         "off with an FP8 policy.")
+  return None if meta is None else meta[1]
