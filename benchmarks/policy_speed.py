@@ -62,7 +62,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
   figures, compiled_steps, states = {}, {}, {}
   for name in POLICIES:
     policy = jaxmp.get_policy(name)
-    if isinstance(policy, jaxmp.Fp8Policy):  # the demo's TrainState step
+    if ",dot=fp8" in str(policy):  # FP8 matmuls: the demo's TrainState step
       state = (train_lm.make_fp8_state(config, model, policy, batch[:, :-1]),)
       step = train_lm.make_fp8_train_step()
     else:

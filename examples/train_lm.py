@@ -230,7 +230,7 @@ def check_args(args: argparse.Namespace) -> tuple[list[str], Config]:
           "and mixed_float16 in turn."
       ) from None
     policies = [args.policy]
-  fp8 = [p for p in policies if isinstance(jaxmp.get_policy(p), jaxmp.Fp8Policy)]
+  fp8 = [p for p in policies if ",dot=fp8" in str(jaxmp.get_policy(p))]
   if args.fp8 and not fp8:
     policies.append(FP8_POLICY)
   positive = ("steps", "batch_size", "seq_len", "d_model", "layers", "heads",
@@ -714,7 +714,7 @@ def train(run_name: str, config: Config, train_text, val_text,
   batch whose update would be skipped, inside the step
   (:func:`jaxmp.retry_skipped` with :func:`recover_config`).
   ``gradients`` is how the step takes the gradients of a batch (see
-  :func:`make_train_step`). A policy with FP8 matmuls (:class:`jaxmp.Fp8Policy`)
+  :func:`make_train_step`). A policy with FP8 matmuls (``dot=fp8``)
   trains a ``jaxmp.flax.TrainState`` instead (:func:`make_fp8_state`), whose
   FP8 meta is summarised in the result.
   """
@@ -730,7 +730,7 @@ def train(run_name: str, config: Config, train_text, val_text,
   policy_name = run_name.removesuffix(FALLBACK_SUFFIX).removesuffix(RECOVER_SUFFIX)
   fallback = fallback_controller(policy_name) if falls_back else None
   policy = jaxmp.get_policy(policy_name)
-  fp8 = isinstance(policy, jaxmp.Fp8Policy)
+  fp8 = ",dot=fp8" in str(policy)  # FP8 matmuls (the policy grammar)
   if fp8 and (falls_back or recovers or gradients is not scaled_gradients):
     raise ValueError(
         f"{run_name}: an FP8 run trains its TrainState step "

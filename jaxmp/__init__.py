@@ -38,7 +38,6 @@ from jaxmp._src.loss_scaling import (
 from jaxmp._src.monitor import LossScaleMonitor
 from jaxmp._src.path_policy import PathPolicy
 from jaxmp._src.policy import (
-    Fp8Policy,
     Policy,
     auto_policy,
     cast_to_full,
@@ -60,7 +59,6 @@ __version__ = "0.1.0"
 __all__ = [
     # Policies.
     "Policy",
-    "Fp8Policy",
     "get_policy",
     "auto_policy",
     "half_dtype",

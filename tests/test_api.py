@@ -13,7 +13,6 @@ PUBLIC = {
     # Policies.
     "Policy", "get_policy", "auto_policy", "half_dtype", "cast_to_full",
     "cast_to_half", "hardware_report", "PathPolicy",
-    "Fp8Policy",  # FP8 training (docs/autocast.md#fp8)
     # Automatic mixed precision.
     "autocast", "autocast_rules",
     # Loss scales.

@@ -422,7 +422,7 @@ class Fp8Policy(Policy):
     ('Fp8Policy', 'p=f32,c=bf16,o=f32,dot=fp8', 1024)
     >>> str(jaxmp.get_policy("mixed_fp8").base), policy.needs_loss_scaling
     ('p=f32,c=bf16,o=f32', False)
-    >>> str(jaxmp.Fp8Policy("f32", "bf16", "f32", amax_history_length=16))
+    >>> str(jaxmp.get_policy("mixed_fp8,amax_history=16"))
     'p=f32,c=bf16,o=f32,dot=fp8,amax_history=16'
   """
 
@@ -482,12 +482,12 @@ def get_policy(spec: Any) -> Policy:
         ``"mixed_fp8"`` or ``"auto"`` (:func:`jaxmp.auto_policy`).
       * FP8 matmuls: ``",dot=fp8"`` after the dtypes (``"mixed_fp8"`` is
         ``"p=f32,c=bf16,o=f32,dot=fp8"``), optionally with
-        ``",amax_history=N"``, gives an :class:`jaxmp.Fp8Policy`. A float8
+        ``",amax_history=N"``, gives an FP8 policy (``dot=fp8``). A float8
         dtype for params, compute or output is refused: it would cast without
         scaling.
 
   Returns:
-    The policy (an :class:`jaxmp.Fp8Policy` with ``dot=fp8``).
+    The policy (an FP8 one with ``dot=fp8``).
 
   Raises:
     ValueError: naming the offending part and listing the valid keys, dtype

@@ -689,7 +689,7 @@ def _warning_text(report: PrecisionReport, compute_dtype: Any) -> str | None:
   ops = [op for op in report.ops
          if _is_float(op.lhs_dtype) and _is_float(op.rhs_dtype)]
   total = sum(op.flops for op in ops)
-  # FP8 matmuls (jaxmp.Fp8Policy, Flax's fp8_ops) are narrower still: they
+  # FP8 matmuls (an FP8 policy, Flax's fp8_ops) are narrower still: they
   # count with those in the compute dtype.
   inside_ops = [op for op in ops if op.runs_in(dtype) or (
       np.dtype(op.lhs_dtype).itemsize == 1 and np.dtype(op.rhs_dtype).itemsize == 1)]

@@ -1,6 +1,6 @@
 """FP8 matmuls in Linen modules: Flax's ``fp8_ops`` under a policy and a guard.
 
-An :class:`jaxmp.Fp8Policy` makes the ``nn.Dense`` and ``nn.DenseGeneral``
+An FP8 policy (``dot=fp8``) makes the ``nn.Dense`` and ``nn.DenseGeneral``
 modules that run under it call Flax's ``fp8_ops.Fp8DirectDotGeneralOp``
 (their ``dot_general_cls`` in the copy of the module that
 :class:`jaxmp.flax.ModulePolicy` runs; Linen's ``nn.Einsum`` takes none and is
@@ -79,7 +79,7 @@ def fp8_dot_general_cls(module: Any, policy: Any) -> Any:
   """The ``dot_general_cls`` to give ``module`` while it runs under ``policy``.
 
   ``None`` when nothing is injected: the policy is not an
-  :class:`jaxmp.Fp8Policy`, or the module is not a Dense layer (activations,
+  FP8 policy (``dot=fp8``), or the module is not a Dense layer (activations,
   norms, convolutions and the FP8 ops themselves run in the base compute
   dtype).
 

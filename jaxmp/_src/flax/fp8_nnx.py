@@ -4,7 +4,7 @@ layers' own hooks, its meta in NNX variables of the type :class:`Fp8Meta`.
 Flax has FP8 ops for Linen only (``flax.linen.fp8_ops``), but its NNX layers
 take the matmul as an argument: ``nnx.Linear(dot_general=...)``,
 ``nnx.LinearGeneral(dot_general=...)``, ``nnx.Einsum(einsum_op=...)``. Under an
-:class:`jaxmp.Fp8Policy`, :meth:`jaxmp.flax.ModulePolicy.set_nnx_dtypes`
+FP8 policy (``dot=fp8``), :meth:`jaxmp.flax.ModulePolicy.set_nnx_dtypes`
 attaches to each such layer an op of this module (:func:`attach_fp8_op`): an
 ``nnx.Module`` holding the scales and amax histories in :class:`Fp8Meta`
 variables, laid out as Flax's Linen ops lay them out (:func:`flax_fp8_meta`),

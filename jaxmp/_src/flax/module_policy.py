@@ -179,7 +179,7 @@ class ModulePolicy(RuleTablePolicy):
   RNGs; the model's own modules are never changed. With
   ``capture_intermediates``, the call of such a copy is recorded too.
 
-  **FP8**: a rule's policy, or the default, may be an :class:`jaxmp.Fp8Policy`
+  **FP8**: a rule's policy, or the default, may be an FP8 policy (``dot=fp8``)
   (``"mixed_fp8"``). Each ``nn.Dense`` and ``nn.DenseGeneral`` running under
   it then calls Flax's ``fp8_ops.Fp8DirectDotGeneralOp`` (its
   ``dot_general_cls`` in the copy that runs), whose scales and amax histories
@@ -413,7 +413,7 @@ class ModulePolicy(RuleTablePolicy):
     any other (NNX layers read ``self.dtype`` when they run). Parameters keep
     their dtype (``param_dtype`` is not touched).
 
-    Under an FP8 policy (:class:`jaxmp.Fp8Policy`, ``"mixed_fp8"``), each
+    Under an FP8 policy (``dot=fp8``, ``"mixed_fp8"``), each
     ``nnx.Linear`` and ``nnx.LinearGeneral`` it covers gets an FP8 op as its
     ``dot_general``, and each ``nnx.Einsum`` as its ``einsum_op``: an
     ``nnx.Module`` calling Flax's ``fp8_ops.fp8_scaled_dot_general``, whose

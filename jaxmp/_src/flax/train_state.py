@@ -62,8 +62,8 @@ class TrainState(train_state.TrainState):
   the step count of ``optax.adam`` or of a learning-rate schedule) are part of
   the inner state and do not advance on skipped steps.
 
-  **FP8.** Under a policy with FP8 matmuls (``"mixed_fp8"``, see
-  :class:`jaxmp.Fp8Policy`), ``params`` is Flax's FP8 layout, the variables
+  **FP8.** Under a policy with FP8 matmuls (``"mixed_fp8"``, ``dot=fp8``),
+  ``params`` is Flax's FP8 layout, the variables
   ``{"params": ..., "_overwrite_with_gradient": fp8_meta}``, as in Flax's own
   ``TrainState``: the loss function takes the variables and passes them to
   ``state.apply_fn``, the "gradient" of the meta is its new value, and only
@@ -131,7 +131,7 @@ class TrainState(train_state.TrainState):
       policy: anything :func:`jaxmp.get_policy` takes (``"mixed_float16"``,
         ``"p=f32,c=bf16,o=f32"``, a :class:`jaxmp.Policy`), a
         :class:`jaxmp.PathPolicy` or a :class:`jaxmp.flax.ModulePolicy`.
-        Default ``"float32"``. An :class:`jaxmp.Fp8Policy`
+        Default ``"float32"``. An FP8 policy (``dot=fp8``)
         (``"mixed_fp8"``) is applied as ``jaxmp.flax.ModulePolicy({},
         default=policy)``.
       loss_scale: the initial loss scale. Default:
