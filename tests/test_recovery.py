@@ -15,7 +15,6 @@ from flax import nnx
 
 import jaxmp
 import jaxmp.flax
-from models import benchmark
 
 F16 = jnp.float16
 # The fp16 backward pass computes scale * x * cos(w): with x = 6 it is over
@@ -353,45 +352,3 @@ def test_eight_devices_under_sharded_jit_agree_on_each_retry():
   direct = jaxmp.loss_scaling(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**13))
   (direct_w, _), _ = jax.jit(step_of(direct))((w, direct.init(w)), x)
   chex.assert_trees_all_equal(np.asarray(new_w), np.asarray(direct_w))
-
-
-# -- The benchmark's compiler figures, reduced ------------------------------------
-
-
-@pytest.mark.integration  # the benchmark's reduced transformer, compiled
-@pytest.mark.standard_promotion(
-    reason="the benchmark transformer is examples/train_lm.py's model, whose "
-           "float16 attention meets Flax's float32 softmax (as in the demo)")
-def test_a_finite_retrying_step_costs_within_half_a_percent_of_plain():
-  recovery = benchmark("recovery")
-  args = recovery.build_parser().parse_args(
-      ["--d-model", "32", "--layers", "1", "--seq-len", "16", "--batch-size", "2"])
-  loss16, loss32, params = recovery.loss_fns(args)
-  steps, tx = recovery.make_steps(loss16, loss32)
-  state = (params, tx.init(params))
-  figures = recovery.compile_figures(
-      {k: steps[k] for k in ("plain", "retry_skipped")}, state,
-      jnp.zeros((2, 17), jnp.int32), timed=False)
-  for key in ("bytes_accessed", "temp_bytes", "peak_live_bytes"):
-    assert figures["retry_skipped"][key] <= 1.005 * figures["plain"][key], key
-
-
-def test_the_peak_counts_a_buffer_shared_by_two_values_once():
-  buffers = """allocation 0: size 8, parameter 0, shape |f32[2]| at ShapeIndex {}:
- value: <1 p @0> (size=8,offset=0): f32[2]{0}
- value: <2 while.1{0} (phi) @0> (size=8,offset=0): f32[2]{0}
-allocation 1: size 12, preallocated-temp:
- value: <3 t @0> (size=4,offset=0): f32[]
- value: <4 u @0> (size=4,offset=8): f32[]
-"""
-  # p hands over to the loop's value at 3, where both are listed; t and u
-  # overlap at 5; t's buffer is live again from 7.
-  ranges = """BufferLiveRange:
-    p{}:0-3
-    while.1{0}:3-9
-    t{}:2-5
-    u{}:5-6
-    t{}:7-8
-  Live ranges at 3 (peak):
-"""
-  assert benchmark("recovery").distinct_peak(ranges, buffers) == 8 + 4 + 4
