@@ -86,6 +86,11 @@ def test_unprotected_multisteps_is_poisoned_for_good():
 # -- What an accumulation computes ----------------------------------------------
 
 
+GRAD = jax.jit(jax.grad(mse))
+SCALED_GRAD = jax.jit(
+    lambda params, batch, scale: jaxmp.scaled_value_and_grad(mse, scale)(params, batch)[1])
+
+
 def _bits(tree):
   return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
 
@@ -101,20 +106,19 @@ class AccumulationTest(chex.TestCase):
                              use_grad_mean=use_grad_mean)
       reference = optax.MultiSteps(optax.adam(1e-2), schedule,
                                    use_grad_mean=use_grad_mean)
-      update = self.variant(tx.update)
+      update = self.variant(tx.update)  # the rest is jitted: only update varies
+      ref_update = jax.jit(reference.update)
       params, state = params0, tx.init(params0)
       ref_params, ref_state = params0, reference.init(params0)
       k_of_step = schedule if callable(schedule) else lambda _: schedule
       micro_batches = k_of_step(0) + k_of_step(1)  # two accumulated steps
       for i in range(micro_batches):
         batch = make_batch(i)
-        _, grads = jaxmp.scaled_value_and_grad(mse, jaxmp.get_loss_scale(state))(
-            params, batch)
+        grads = SCALED_GRAD(params, batch, jaxmp.get_loss_scale(state))
         updates, state = update(grads, state, params)
         # optax.MultiSteps' running mean divides by its int32 counter.
         with jax.numpy_dtype_promotion("standard"):
-          ref_updates, ref_state = reference.update(
-              jax.grad(mse)(ref_params, batch), ref_state, ref_params)
+          ref_updates, ref_state = ref_update(GRAD(ref_params, batch), ref_state, ref_params)
         emitted = int(ref_state.mini_step) == 0
         if not emitted:  # the updates in between leave every bit alone
           assert _bits(updates) == _bits(jax.tree_util.tree_map(
