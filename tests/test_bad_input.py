@@ -541,6 +541,15 @@ CASES = [
     Case("scaled_value_and_grad: an optimizer state as the loss scale",
          lambda: jaxmp.scaled_value_and_grad(jnp.sum, STATE), TypeError,
          r"got a LossScalingState", r"pass jaxmp\.get_loss_scale\(opt_state\)"),
+    Case("scaled_value_and_grad: a number as the loss scale",
+         lambda: jaxmp.scaled_value_and_grad(jnp.sum, 32.0), TypeError,
+         r"expects a loss scale as its second argument, got a float",
+         r"pass jaxmp\.get_loss_scale\(opt_state\)"),
+    Case("scaled_value_and_grad: has_aux without a pair, with nnx.value_and_grad",
+         lambda: jaxmp.scaled_value_and_grad(
+             lambda m: jnp.sum(m.w[...]), jaxmp.StaticLossScale(2.0), has_aux=True,
+             value_and_grad=nnx.value_and_grad)(NnxRaw()),
+         TypeError, r"has_aux=True\) expects fun", r"to return a pair \(loss, aux\)"),
     Case("scaled_value_and_grad: has_aux without a pair",
          lambda: jaxmp.scaled_value_and_grad(
              jnp.sum, jaxmp.NoOpLossScale(), has_aux=True)(jnp.ones(2)),

@@ -1,11 +1,14 @@
-"""Tests of jaxmp with Equinox: eqx.filter_jit steps, filter_value_and_grad."""
+"""Tests of jaxmp with Equinox: an eqx.filter_jit step holding a loss scale.
+
+scaled_value_and_grad with eqx.filter_value_and_grad is tested with the other
+frameworks in tests/test_loss_scaling.py.
+"""
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
 import jaxmp
 
@@ -77,15 +80,3 @@ def test_filter_jit_step_holding_a_hysteresis_scale_trains_and_skips_an_inf_step
   assert float(metrics["loss_scale"]) == 2.0**8
   assert len(traces) == 1
   assert {str(a.dtype) for a in arrays(model)} == {"float32"}
-
-
-def test_scaled_value_and_grad_takes_filter_value_and_grad():
-  model, _, _ = make()
-  x, y = batch()
-  loss_scale = jaxmp.StaticLossScale(64.0)
-  loss, grads = jaxmp.scaled_value_and_grad(
-      loss_of, loss_scale, value_and_grad=eqx.filter_value_and_grad)(model, x, y)
-  scaled, expected = eqx.filter_value_and_grad(
-      lambda m, x, y: loss_scale.scale(loss_of(m, x, y)))(model, x, y)
-  assert float(loss) * 64.0 == float(scaled)
-  assert_bit_identical(grads, expected)

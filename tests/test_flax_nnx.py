@@ -116,23 +116,6 @@ def test_compute_dtypes_and_no_retrace():
   assert len(traces) == 1
 
 
-def test_scaled_value_and_grad_matches_manual_scaling():
-  model, _ = make()
-  x, _ = batch()
-  loss_fn = lambda m: jnp.mean(POLICY.cast_to_output(m(x)) ** 2)
-  loss, grads = nnx_value_and_grad(
-      loss_fn, jaxmp.StaticLossScale(32.0))(model)
-  expected_loss, expected_grads = nnx.value_and_grad(
-      lambda m: loss_fn(m) * jnp.float32(32.0))(model)
-  chex.assert_trees_all_equal(loss * 32.0, expected_loss)
-  chex.assert_trees_all_equal(nnx.to_pure_dict(grads), nnx.to_pure_dict(expected_grads))
-  with pytest.raises(TypeError, match="get_loss_scale"):
-    nnx_value_and_grad(loss_fn, 32.0)
-  with pytest.raises(TypeError, match="pair"):
-    nnx_value_and_grad(
-        loss_fn, jaxmp.StaticLossScale(2.0), has_aux=True)(model)
-
-
 class BatchNormMLP(nnx.Module):
 
   def __init__(self, rngs):
@@ -215,4 +198,3 @@ def test_keep_on_skip_refuses_the_models_own_variables_as_the_old_value():
   optimizer.update(model, grads)
   with pytest.raises(ValueError, match="Take a copy before the step"):
     jaxmp.keep_on_skip(optimizer.opt_state, nnx.state(model, nnx.BatchStat), live)
-

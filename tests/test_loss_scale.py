@@ -447,37 +447,6 @@ def test_equinox_partition_combine_and_filter_jit():
   assert got == [(8.0, 1, 2), (8.0, 0, 1), (4.0, 0, 1), (4.0, 1, 2), (8.0, 0, 2)]
 
 
-def test_equinox_filter_jit_trains_and_skips_an_inf_step():
-  eqx = pytest.importorskip("equinox")
-  tx = jaxmp.loss_scaling(
-      optax.adam(0.1), jaxmp.DynamicLossScale(2.0**4, hysteresis=2,
-                                              consecutive_hysteresis=True))
-  model = {"w": jnp.array([1.0, -2.0]), "activation": jax.nn.relu}  # a function leaf
-  params, static = eqx.partition(model, eqx.is_array)
-  opt_state = tx.init(params)
-
-  @eqx.filter_jit
-  @chex.assert_max_traces(n=1)
-  def step(params, opt_state, x):
-    def loss_fn(params):
-      model = eqx.combine(params, static)
-      return jnp.sum(model["activation"](model["w"] * x) ** 2)
-
-    scale = jaxmp.get_loss_scale(opt_state)
-    _, grads = jaxmp.scaled_value_and_grad(loss_fn, scale)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  trained, opt_state = step(params, opt_state, jnp.array([1.0, -1.0]))
-  assert not np.array_equal(trained["w"], params["w"])
-  skipped, skipped_state = step(trained, opt_state, jnp.array([jnp.inf, 1.0]))
-  np.testing.assert_array_equal(skipped["w"], trained["w"])
-  chex.assert_trees_all_equal(skipped_state.inner_state, opt_state.inner_state)
-  assert int(skipped_state.skipped_steps) == 1
-  assert int(skipped_state.loss_scale.hysteresis_left) == 1  # budget used
-  assert float(skipped_state.loss_scale.loss_scale) == 2.0**4
-
-
 def test_adjust_never_reads_the_state_back_to_the_host():
   # Validation is for the values a user gives; adjust builds the next state
   # by the rule, without checking (and so without reading) it.
