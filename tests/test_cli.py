@@ -93,6 +93,7 @@ def test_convert_enabled_auto_warns_on_one_line(tmp_path, capsys):
   assert len(lines) == 2 and all('.enabled is "auto"' in line for line in lines)
 
 
+@pytest.mark.integration  # a process of its own
 def test_convert_bad_file_in_a_subprocess():
   """The command as a user runs it: exit status 2, one line, no traceback."""
   result = subprocess.run(
