@@ -416,28 +416,41 @@ def test_a_mismatched_checkpoint_is_refused_quietly_before_any_array_is_read(
 # ---------------------------------------------------------------------------
 # A forced overwrite never loses the checkpoint it replaces.
 
-# Saves a state of `value`s over the checkpoint at `path`, and SIGKILLs itself
-# just before its `kill_at`-th call of os.rename or shutil.rmtree: each
-# filesystem step of the overwrite (orbax's and jaxmp's) is a moment to die at.
-KILLED_SAVE = """
-import os, shutil, signal, sys
+# A process that imports jaxmp.flax once, then, for each line "path value
+# kill_at" it reads, forks a child that saves a state of `value`s over the
+# checkpoint at `path` and SIGKILLs itself just before its `kill_at`-th call of
+# os.rename or shutil.rmtree: each filesystem step of the overwrite (orbax's
+# and jaxmp's) is a moment to die at. It answers each line with the child's
+# exit code (-9 when killed). JAX starts in each child, never in the parent,
+# so that forking is safe.
+KILLED_SAVES = """
+import os, shutil, signal, sys, traceback
 import numpy as np
 import jaxmp.flax
 
-path, value, kill_at = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
-calls = [0]
+for line in sys.stdin:
+  path, value, kill_at = line.split()
+  pid = os.fork()
+  if pid == 0:
+    try:
+      calls = [0]
 
-def dying(function):
-  def call(*args, **kwargs):
-    calls[0] += 1
-    if calls[0] == kill_at:
-      os.kill(os.getpid(), signal.SIGKILL)
-    return function(*args, **kwargs)
-  return call
+      def dying(function):
+        def call(*args, **kwargs):
+          calls[0] += 1
+          if calls[0] == int(kill_at):
+            os.kill(os.getpid(), signal.SIGKILL)
+          return function(*args, **kwargs)
+        return call
 
-os.rename, shutil.rmtree = dying(os.rename), dying(shutil.rmtree)
-state = {name: np.full((64, 64), value, np.float32) for name in ("a", "b", "c")}
-jaxmp.flax.save_checkpoint(path, state, force=True)
+      os.rename, shutil.rmtree = dying(os.rename), dying(shutil.rmtree)
+      state = {name: np.full((64, 64), float(value), np.float32) for name in ("a", "b", "c")}
+      jaxmp.flax.save_checkpoint(path, state, force=True)
+    except BaseException:  # pylint: disable=broad-except
+      traceback.print_exc()
+      os._exit(1)
+    os._exit(0)
+  print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
 """
 
 
@@ -452,28 +465,34 @@ def restored_value(path):
   return values.pop()
 
 
-@pytest.mark.integration  # a process per moment, about 2 s each
+@pytest.mark.integration  # a process that forks a child per moment
 def test_a_forced_overwrite_killed_at_any_moment_leaves_a_restorable_checkpoint(
     tmp_path):
   root = pathlib.Path(__file__).resolve().parents[1]  # so it imports this jaxmp
   jaxmp.flax.save_checkpoint(tmp_path / "original", filled(1.0))
+  saves = subprocess.Popen([sys.executable, "-c", KILLED_SAVES], cwd=root, text=True,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
   outcomes = []
-  for kill_at in range(1, 40):
-    work = tmp_path / f"kill_{kill_at}"
-    shutil.copytree(tmp_path / "original", work / "ckpt")
-    process = subprocess.run(
-        [sys.executable, "-c", KILLED_SAVE, str(work / "ckpt"), "2.0", str(kill_at)],
-        cwd=root, capture_output=True, text=True, timeout=120, check=False)
-    killed = process.returncode == -signal.SIGKILL
-    assert killed or process.returncode == 0, process.stderr
-    outcomes.append(restored_value(work / "ckpt"))
-    # Whatever the killed save left beside the checkpoint, the next forced
-    # save cleans up and completes.
-    jaxmp.flax.save_checkpoint(work / "ckpt", filled(3.0), force=True)
-    assert restored_value(work / "ckpt") == 3.0
-    assert sorted(p.name for p in work.iterdir()) == ["ckpt"]
-    if not killed:
-      break
+  try:
+    for kill_at in range(1, 40):
+      work = tmp_path / f"kill_{kill_at}"
+      shutil.copytree(tmp_path / "original", work / "ckpt")
+      saves.stdin.write(f"{work / 'ckpt'} 2.0 {kill_at}\n")
+      saves.stdin.flush()
+      returncode = int(saves.stdout.readline())
+      killed = returncode == -signal.SIGKILL
+      assert killed or returncode == 0, returncode  # the child's traceback is on stderr
+      outcomes.append(restored_value(work / "ckpt"))
+      # Whatever the killed save left beside the checkpoint, the next forced
+      # save cleans up and completes.
+      jaxmp.flax.save_checkpoint(work / "ckpt", filled(3.0), force=True)
+      assert restored_value(work / "ckpt") == 3.0
+      assert sorted(p.name for p in work.iterdir()) == ["ckpt"]
+      if not killed:
+        break
+  finally:
+    saves.stdin.close()
+    saves.wait(timeout=120)
   assert outcomes[-1] == 2.0 and not killed  # the save ran to its end
   # The moments span the overwrite: some kills left the old checkpoint,
   # others (after the swap) the new one.
