@@ -69,19 +69,20 @@ def reference_trajectory(flags, *, loss_scale=2.0**15, period=2000, factor=2.0,
 
 
 def run_adjust_scan(loss_scale, flags):
-  """Runs `adjust` over `flags` in one jitted scan; returns the trajectory."""
+  """Runs `adjust` over `flags` (or over each of its rows) in one jitted,
+  vmapped scan; returns the trajectory (or one per row)."""
+  flags = np.asarray(flags)
+  if flags.ndim == 1:
+    return run_adjust_scan(loss_scale, flags[None])[0]
 
   def body(ls, finite):
     ls = ls.adjust(finite)
     return ls, (ls.loss_scale, ls.counter, ls.hysteresis_left, ls.overflows_at_min)
 
-  _, traj = jax.jit(lambda ls, f: jax.lax.scan(body, ls, f))(
-      loss_scale, jnp.asarray(flags)
-  )
-  traj = jax.device_get(traj)
-  return [
-      (float(s), int(c), int(h), int(o)) for s, c, h, o in zip(*traj)
-  ]
+  run = jax.vmap(lambda f: jax.lax.scan(body, loss_scale, f)[1])
+  traj = jax.device_get(jax.jit(run)(jnp.asarray(flags)))
+  return [[(float(s), int(c), int(h), int(o)) for s, c, h, o in zip(*row)]
+          for row in zip(*traj)]
 
 
 CONFIGS = [
@@ -101,19 +102,22 @@ CONFIGS = [
 ]
 
 
+OVERFLOW_RATES = (0.05, 0.3, 0.7)
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=[str(c) for c in CONFIGS])
-@pytest.mark.parametrize("overflow_rate", [0.05, 0.3, 0.7])
-def test_dynamic_matches_reference_over_long_sequences(config, overflow_rate):
-  rng = np.random.default_rng(zlib.crc32(f"{config}{overflow_rate}".encode()))
-  flags = rng.random(600) >= overflow_rate
-  # Bursts of overflows and of clean steps, to reach both bounds.
-  flags[100:140] = False
-  flags[300:380] = True
-  got = run_adjust_scan(jaxmp.DynamicLossScale(**config), flags)
-  want = reference_trajectory(flags, **config)
-  assert got == want
-
-
+def test_dynamic_matches_reference_over_long_sequences(config):
+  rows = []
+  for overflow_rate in OVERFLOW_RATES:
+    rng = np.random.default_rng(zlib.crc32(f"{config}{overflow_rate}".encode()))
+    flags = rng.random(600) >= overflow_rate
+    # Bursts of overflows and of clean steps, to reach both bounds.
+    flags[100:140] = False
+    flags[300:380] = True
+    rows.append(flags)
+  got = run_adjust_scan(jaxmp.DynamicLossScale(**config), np.stack(rows))
+  for overflow_rate, flags, trajectory in zip(OVERFLOW_RATES, rows, got):
+    assert trajectory == reference_trajectory(flags, **config), overflow_rate
 
 
 # The update rule.
