@@ -54,4 +54,9 @@ def test_hardware_report_describes_the_running_devices():
   as_dict = json.loads(json.dumps(report.as_dict()))
   assert as_dict["device_kinds"] == list(report.device_kinds)
   assert as_dict["recommended_policy"] == report.recommended_policy
-  assert report.recommended_policy in str(report)
+  if report.platform == "cpu":  # XLA:CPU emulates 16- and 8-bit floats
+    assert not (report.native_bfloat16 or report.native_float16 or report.native_float8)
+  lines = {line.split("  ")[1].strip(): line.rsplit(" ", 1)[1]
+           for line in str(report).splitlines()[1:]}
+  assert lines["native bfloat16"] == ("yes" if report.native_bfloat16 else "no")
+  assert lines["recommended policy"] == report.recommended_policy
