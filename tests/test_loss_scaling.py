@@ -449,9 +449,9 @@ def _equinox_case():
   eqx = pytest.importorskip("equinox")
   model = eqx.nn.MLP(3, 2, 8, 1, key=jax.random.key(0))  # holds functions
   x = jnp.linspace(-1.0, 1.0, 15).reshape(5, 3)
-  loss_fn = lambda m: jnp.mean((jax.vmap(m)(x) - 0.5) ** 2)
+  loss_fn = lambda m, x: jnp.mean((jax.vmap(m)(x) - 0.5) ** 2)
   # Equinox modules go through eqx.filter_jit, not jax.jit.
-  return model, loss_fn, eqx.filter_value_and_grad, eqx.filter_jit, (
+  return model, x, loss_fn, eqx.filter_value_and_grad, eqx.filter_jit, (
       lambda grads: eqx.filter(grads, eqx.is_array))
 
 
@@ -463,24 +463,24 @@ def _nnx_case():
   model = NnxMLP(nnx.Rngs(0))
   jaxmp.flax.ModulePolicy({nnx.LayerNorm: "float32"}, default=policy).set_nnx_dtypes(model)
   x, _ = classification_batch()
-  loss_fn = lambda m: jnp.mean(policy.cast_to_output(m(policy.cast_to_compute(x))) ** 2)
-  return model, loss_fn, nnx.value_and_grad, nnx.jit, nnx.to_pure_dict
+  loss_fn = lambda m, x: jnp.mean(policy.cast_to_output(m(policy.cast_to_compute(x))) ** 2)
+  return model, x, loss_fn, nnx.value_and_grad, nnx.jit, nnx.to_pure_dict
 
 
 @pytest.mark.parametrize("framework", [_nnx_case, _equinox_case], ids=["nnx", "equinox"])
 def test_scaled_value_and_grad_takes_each_frameworks_value_and_grad(framework):
-  model, loss_fn, value_and_grad, jit, arrays_of = framework()
+  model, x, loss_fn, value_and_grad, jit, arrays_of = framework()
   scale = jaxmp.StaticLossScale(2.0**10)
 
-  def with_aux(m):
-    return loss_fn(m), {"n": 5}
+  def with_aux(m, x):  # the batch passes through as an argument
+    return loss_fn(m, x), {"n": 5}
 
   scaled = jaxmp.scaled_value_and_grad(with_aux, scale, has_aux=True,
                                        value_and_grad=value_and_grad)
-  reference = value_and_grad(lambda m: (loss_fn(m) * jnp.float32(2.0**10), {"n": 5}),
+  reference = value_and_grad(lambda m, x: (loss_fn(m, x) * jnp.float32(2.0**10), {"n": 5}),
                              has_aux=True)
-  (loss, aux), grads = jit(scaled)(model)
-  (expected_loss, expected_aux), expected_grads = jit(reference)(model)
+  (loss, aux), grads = jit(scaled)(model, x)
+  (expected_loss, expected_aux), expected_grads = jit(reference)(model, x)
   assert aux == expected_aux == {"n": 5}
   # The loss comes back unscaled, the gradients scaled: exactly, the scale
   # being a power of two.
