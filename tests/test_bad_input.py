@@ -1,15 +1,14 @@
 """The bad-input catalogue: invalid inputs across the public API.
 
-Each case asserts the exception type, that the message names the problem
-(what was wrong, usually with the offending value) and the fix (what to pass
-instead), and that the exception is raised by jaxmp itself, not from deep
-inside JAX, optax, orbax or NumPy. A separate test checks that no case lets a
-bare ``KeyError``, ``AttributeError``, ``IndexError``, ``OverflowError`` or
-``AssertionError`` escape.
+Each case asserts the exception type (never a bare ``KeyError``,
+``AttributeError``, ``IndexError``, ``OverflowError`` or ``AssertionError``),
+that the message names the problem (what was wrong, usually with the offending
+value) and the fix (what to pass instead), and that the exception is raised by
+jaxmp itself, not from deep inside JAX, optax, orbax or NumPy.
 
-A case that fails today names its defect, which marks it ``xfail(strict=True)``:
-``defect`` for the explanation test, ``escapes`` for the bare-error test. Delete
-the field when the defect is fixed (the strict mark fails the test until then).
+A case that fails today names its ``defect``, which marks it
+``xfail(strict=True)``. Delete the field when the defect is fixed (the strict
+mark fails the test until then).
 """
 
 import dataclasses
@@ -50,7 +49,6 @@ class Case:
   problem: str  # a regular expression the message must match
   fix: str  # and another one
   defect: str = ""  # why the error is not yet explained (marks it xfail)
-  escapes: str = ""  # why a bare Python error still escapes (marks it xfail)
 
 
 # Built-in errors that say nothing about what the user did wrong.
@@ -543,6 +541,15 @@ CASES = [
     Case("scaled_value_and_grad: an optimizer state as the loss scale",
          lambda: jaxmp.scaled_value_and_grad(jnp.sum, STATE), TypeError,
          r"got a LossScalingState", r"pass jaxmp\.get_loss_scale\(opt_state\)"),
+    Case("scaled_value_and_grad: a number as the loss scale",
+         lambda: jaxmp.scaled_value_and_grad(jnp.sum, 32.0), TypeError,
+         r"expects a loss scale as its second argument, got a float",
+         r"pass jaxmp\.get_loss_scale\(opt_state\)"),
+    Case("scaled_value_and_grad: has_aux without a pair, with nnx.value_and_grad",
+         lambda: jaxmp.scaled_value_and_grad(
+             lambda m: jnp.sum(m.w[...]), jaxmp.StaticLossScale(2.0), has_aux=True,
+             value_and_grad=nnx.value_and_grad)(NnxRaw()),
+         TypeError, r"has_aux=True\) expects fun", r"to return a pair \(loss, aux\)"),
     Case("scaled_value_and_grad: has_aux without a pair",
          lambda: jaxmp.scaled_value_and_grad(
              jnp.sum, jaxmp.NoOpLossScale(), has_aux=True)(jnp.ones(2)),
@@ -1386,12 +1393,11 @@ def test_the_catalogue_is_large_and_distinct():
   assert not expects_bare, f"cases that expect a bare Python error: {expects_bare}"
 
 
-def _cases(reason_field):
-  """The catalogue as pytest parameters, xfail where ``reason_field`` is set."""
+def _cases():
+  """The catalogue as pytest parameters, xfail where a defect is named."""
   params = []
   for case in CASES:
-    reason = getattr(case, reason_field)
-    marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+    marks = [pytest.mark.xfail(strict=True, reason=case.defect)] if case.defect else []
     params.append(pytest.param(case, id=case.name, marks=marks))
   return params
 
@@ -1411,28 +1417,18 @@ def raised_by_jaxmp(error):
   return pathlib.Path(frame.filename).resolve().is_relative_to(JAXMP_DIR)
 
 
-@pytest.mark.parametrize("case", _cases("escapes"))
-def test_no_bare_python_error_escapes(case):
-  try:
-    case.call()
-  except BARE_ERRORS as error:
-    frame = traceback.extract_tb(error.__traceback__)[-1]
-    pytest.fail(f"a bare {type(error).__name__} escaped from {frame.filename}:"
-                f"{frame.lineno}: {error}", pytrace=False)
-  except Exception:  # pylint: disable=broad-except
-    pass  # what it should be is test_bad_input_is_explained's concern
-
-
-@pytest.mark.parametrize("case", _cases("defect"))
+@pytest.mark.parametrize("case", _cases())
 def test_bad_input_is_explained(case):
   with pytest.raises(Exception) as info:
     case.call()
   error = info.value
+  frame = traceback.extract_tb(error.__traceback__)[-1]
+  assert not isinstance(error, BARE_ERRORS), (
+      f"a bare {type(error).__name__} escaped from {frame.filename}:{frame.lineno}: {error}")
   assert isinstance(error, case.error), f"{type(error).__name__}: {error}"
   message = str(error)
   assert re.search(case.problem, message, re.DOTALL), message
   assert re.search(case.fix, message, re.DOTALL), message
-  frame = traceback.extract_tb(error.__traceback__)[-1]
   assert raised_by_jaxmp(error), f"raised in {frame.filename}:{frame.lineno}"
 
 
@@ -1521,17 +1517,14 @@ def test_cli_convert_of_a_bad_file(tmp_path, capsys, monkeypatch):
   path = tmp_path / "ds_config.json"
   path.write_text('{"fp16": {"enabled": true, "loss_scale": -1}}')
   line = _convert_error(capsys, [str(path)])
-  assert line == (
-      "jaxmp convert: error: DeepSpeed config: fp16.loss_scale must be a number >= 0 "
-      "and <= 3.40282e+38, got -1. Use 0 (dynamic loss scaling) or a positive static "
-      "scale.")
+  assert re.search(r"fp16\.loss_scale must be a number >= 0 .*got -1", line), line
+  assert re.search(r"Use 0 \(dynamic loss scaling\) or a positive static scale", line), line
   line = _convert_error(capsys, [str(tmp_path / "missing.json")])
   assert "no such file" in line and "missing.json" in line
   monkeypatch.setattr(sys, "stdin", io.StringIO("[" * 100_000))
   line = _convert_error(capsys, ["-"])
-  assert line.endswith("standard input is nested too deeply to parse; a DeepSpeed "
-                       "config is an object a few levels deep: check that this is the "
-                       "right file")
+  assert re.search(r"standard input is nested too deeply to parse", line), line
+  assert re.search(r"check that this is the right file", line), line
 
 
 def test_a_changed_loss_scale_kind_in_a_checkpoint(tmp_path):

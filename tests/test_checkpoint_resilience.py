@@ -2,7 +2,8 @@
 
 * An orbax checkpoint written in the middle of a burst of overflows (scale
   backed off, hysteresis budget half used, a nan in a gradient accumulator)
-  resumes bit-identically.
+  resumes bit-identically, for a Linen TrainState and for an NNX model and
+  its optimizer.
 * A float32 run's checkpoint restored into a ``mixed_float16`` run (and the
   reverse) either works or fails with a message that says what to do; what it
   says to do works.
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import jaxmp
 import jaxmp.flax
@@ -85,29 +87,125 @@ def run(state, steps):
   return state, scales
 
 
-@pytest.mark.parametrize("target", ["abstract", "fresh"])
-def test_resume_in_the_middle_of_a_fault_burst_is_bit_identical(tmp_path, target):
-  state, scales = run(make_state(), range(SAVE_AT))
+class NnxMLP(nnx.Module):
+  """MLP in NNX, with float16 layers."""
+
+  def __init__(self, rngs):
+    self.dense1 = nnx.Linear(4, 8, dtype=jnp.float16, rngs=rngs)
+    self.dense2 = nnx.Linear(8, 2, dtype=jnp.float16, rngs=rngs)
+
+  def __call__(self, x):
+    return self.dense2(nnx.tanh(self.dense1(x))).astype(jnp.float32)
+
+
+def make_nnx():
+  model = NnxMLP(nnx.Rngs(0))
+  return model, nnx.Optimizer(
+      model, jaxmp.loss_scaling(optax.adamw(1e-2), BURST_SCALE), wrt=nnx.Param)
+
+
+@nnx.jit
+def nnx_train_step(model, optimizer, x, y, inject):
+  loss_fn = lambda m: jnp.mean((m(x) - y) ** 2)
+  _, grads = jaxmp.scaled_value_and_grad(
+      loss_fn, jaxmp.get_loss_scale(optimizer.opt_state),
+      value_and_grad=nnx.value_and_grad)(model)
+  optimizer.update(model, poison(grads, inject))
+
+
+class Linen:
+  """A jaxmp.flax.TrainState, restored into a target the code builds
+  (abstract, from jax.eval_shape) and into a freshly initialized one."""
+
+  @staticmethod
+  def run(state, steps):
+    return run(state, steps)
+
+  @staticmethod
+  def arrays(state):
+    return arrays(state)
+
+  @staticmethod
+  def targets():
+    return {"abstract": jax.eval_shape(make_state), "fresh": make_state()}
+
+  @staticmethod
+  def opt_state(state):
+    return state.opt_state
+
+  @staticmethod
+  def step_count(state):
+    return int(state.step)
+
+
+class Nnx:
+  """A model and its nnx.Optimizer, updated in place, restored into new ones."""
+
+  @staticmethod
+  def run(state, steps):
+    model, optimizer = state
+    scales = []
+    for i in steps:
+      nnx_train_step(model, optimizer, *batch(i), jnp.asarray(i in BURST))
+      scales.append(float(jaxmp.get_loss_scale(optimizer.opt_state).loss_scale))
+    return state, scales
+
+  @staticmethod
+  def arrays(state):
+    return nnx.to_pure_dict(nnx.state(state))  # a snapshot: arrays are immutable
+
+  @staticmethod
+  def targets():
+    return {"new objects": make_nnx()}
+
+  @staticmethod
+  def opt_state(state):
+    return state[1].opt_state
+
+  @staticmethod
+  def step_count(state):
+    return int(state[1].step[...])
+
+
+@pytest.mark.parametrize("framework", [Linen, Nnx], ids=["linen", "nnx"])
+def test_resume_in_the_middle_of_a_fault_burst_is_bit_identical(tmp_path, framework):
+  state, scales = framework.run(make_state() if framework is Linen else make_nnx(),
+                                range(SAVE_AT))
   # The checkpoint is written mid-burst: the last step overflowed, the scale
   # has backed off and the hysteresis budget is partly spent.
-  loss_scale = state.loss_scale
-  assert not bool(state.metrics["last_finite"])
-  assert int(state.metrics["skipped_steps"]) == SAVE_AT - BURST.start
+  metrics = jaxmp.loss_scaling_metrics(framework.opt_state(state))
+  loss_scale = jaxmp.get_loss_scale(framework.opt_state(state))
+  assert not bool(metrics["last_finite"])
+  assert int(metrics["skipped_steps"]) == SAVE_AT - BURST.start
   assert float(loss_scale.loss_scale) < max(scales)
   assert 1 <= int(loss_scale.hysteresis_left) < loss_scale.hysteresis
   jaxmp.flax.save_checkpoint(tmp_path / "mid_burst", state)
+  saved = framework.arrays(state)
 
-  reference, reference_scales = run(state, range(SAVE_AT, N_STEPS))
-  built = jax.eval_shape(make_state) if target == "abstract" else make_state()
-  restored = jaxmp.flax.restore_checkpoint(tmp_path / "mid_burst", built)
-  chex.assert_trees_all_equal(arrays(restored), arrays(state))
-  resumed, resumed_scales = run(restored, range(SAVE_AT, N_STEPS))
-  chex.assert_trees_all_equal(arrays(resumed), arrays(reference))
-  assert resumed_scales == reference_scales
-  assert int(resumed.metrics["skipped_steps"]) == len(BURST)
-  # The burst drove the scale to its minimum, and it grew again afterwards.
-  assert min(scales + resumed_scales) == 2.0**6
-  assert resumed_scales[-1] > 2.0**6
+  reference, reference_scales = framework.run(state, range(SAVE_AT, N_STEPS))
+  reference = framework.arrays(reference)
+  for name, target in framework.targets().items():
+    restored = jaxmp.flax.restore_checkpoint(tmp_path / "mid_burst", target)
+    if framework is Linen:
+      assert isinstance(restored, jaxmp.flax.TrainState), name
+      assert restored.policy == jaxmp.get_policy("mixed_float16"), name
+    else:
+      restored = target  # restored in place
+    assert framework.step_count(restored) == SAVE_AT, name
+    chex.assert_trees_all_equal(framework.arrays(restored), saved)
+    # The static configuration comes back with the target.
+    assert jaxmp.get_loss_scale(framework.opt_state(restored)).config() == (
+        {"type": "DynamicLossScale", "period": 4, "factor": 2.0, "min_loss_scale": 64.0,
+         "backoff_factor": 0.5, "max_loss_scale": float(np.finfo(np.float32).max),
+         "hysteresis": 3, "consecutive_hysteresis": False}), name
+    resumed, resumed_scales = framework.run(restored, range(SAVE_AT, N_STEPS))
+    chex.assert_trees_all_equal(framework.arrays(resumed), reference)
+    assert resumed_scales == reference_scales, name
+    metrics = jaxmp.loss_scaling_metrics(framework.opt_state(resumed))
+    assert int(metrics["skipped_steps"]) == len(BURST), name
+    # The burst drove the scale to its minimum, and it grew again afterwards.
+    assert min(scales + resumed_scales) == 2.0**6, name
+    assert resumed_scales[-1] > 2.0**6, name
 
 
 ACCUMULATE = 4
@@ -318,28 +416,41 @@ def test_a_mismatched_checkpoint_is_refused_quietly_before_any_array_is_read(
 # ---------------------------------------------------------------------------
 # A forced overwrite never loses the checkpoint it replaces.
 
-# Saves a state of `value`s over the checkpoint at `path`, and SIGKILLs itself
-# just before its `kill_at`-th call of os.rename or shutil.rmtree: each
-# filesystem step of the overwrite (orbax's and jaxmp's) is a moment to die at.
-KILLED_SAVE = """
-import os, shutil, signal, sys
+# A process that imports jaxmp.flax once, then, for each line "path value
+# kill_at" it reads, forks a child that saves a state of `value`s over the
+# checkpoint at `path` and SIGKILLs itself just before its `kill_at`-th call of
+# os.rename or shutil.rmtree: each filesystem step of the overwrite (orbax's
+# and jaxmp's) is a moment to die at. It answers each line with the child's
+# exit code (-9 when killed). JAX starts in each child, never in the parent,
+# so that forking is safe.
+KILLED_SAVES = """
+import os, shutil, signal, sys, traceback
 import numpy as np
 import jaxmp.flax
 
-path, value, kill_at = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
-calls = [0]
+for line in sys.stdin:
+  path, value, kill_at = line.split()
+  pid = os.fork()
+  if pid == 0:
+    try:
+      calls = [0]
 
-def dying(function):
-  def call(*args, **kwargs):
-    calls[0] += 1
-    if calls[0] == kill_at:
-      os.kill(os.getpid(), signal.SIGKILL)
-    return function(*args, **kwargs)
-  return call
+      def dying(function):
+        def call(*args, **kwargs):
+          calls[0] += 1
+          if calls[0] == int(kill_at):
+            os.kill(os.getpid(), signal.SIGKILL)
+          return function(*args, **kwargs)
+        return call
 
-os.rename, shutil.rmtree = dying(os.rename), dying(shutil.rmtree)
-state = {name: np.full((64, 64), value, np.float32) for name in ("a", "b", "c")}
-jaxmp.flax.save_checkpoint(path, state, force=True)
+      os.rename, shutil.rmtree = dying(os.rename), dying(shutil.rmtree)
+      state = {name: np.full((64, 64), float(value), np.float32) for name in ("a", "b", "c")}
+      jaxmp.flax.save_checkpoint(path, state, force=True)
+    except BaseException:  # pylint: disable=broad-except
+      traceback.print_exc()
+      os._exit(1)
+    os._exit(0)
+  print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
 """
 
 
@@ -354,28 +465,34 @@ def restored_value(path):
   return values.pop()
 
 
-@pytest.mark.integration  # a process per moment, about 2 s each
+@pytest.mark.integration  # a process that forks a child per moment
 def test_a_forced_overwrite_killed_at_any_moment_leaves_a_restorable_checkpoint(
     tmp_path):
   root = pathlib.Path(__file__).resolve().parents[1]  # so it imports this jaxmp
   jaxmp.flax.save_checkpoint(tmp_path / "original", filled(1.0))
+  saves = subprocess.Popen([sys.executable, "-c", KILLED_SAVES], cwd=root, text=True,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
   outcomes = []
-  for kill_at in range(1, 40):
-    work = tmp_path / f"kill_{kill_at}"
-    shutil.copytree(tmp_path / "original", work / "ckpt")
-    process = subprocess.run(
-        [sys.executable, "-c", KILLED_SAVE, str(work / "ckpt"), "2.0", str(kill_at)],
-        cwd=root, capture_output=True, text=True, timeout=120, check=False)
-    killed = process.returncode == -signal.SIGKILL
-    assert killed or process.returncode == 0, process.stderr
-    outcomes.append(restored_value(work / "ckpt"))
-    # Whatever the killed save left beside the checkpoint, the next forced
-    # save cleans up and completes.
-    jaxmp.flax.save_checkpoint(work / "ckpt", filled(3.0), force=True)
-    assert restored_value(work / "ckpt") == 3.0
-    assert sorted(p.name for p in work.iterdir()) == ["ckpt"]
-    if not killed:
-      break
+  try:
+    for kill_at in range(1, 40):
+      work = tmp_path / f"kill_{kill_at}"
+      shutil.copytree(tmp_path / "original", work / "ckpt")
+      saves.stdin.write(f"{work / 'ckpt'} 2.0 {kill_at}\n")
+      saves.stdin.flush()
+      returncode = int(saves.stdout.readline())
+      killed = returncode == -signal.SIGKILL
+      assert killed or returncode == 0, returncode  # the child's traceback is on stderr
+      outcomes.append(restored_value(work / "ckpt"))
+      # Whatever the killed save left beside the checkpoint, the next forced
+      # save cleans up and completes.
+      jaxmp.flax.save_checkpoint(work / "ckpt", filled(3.0), force=True)
+      assert restored_value(work / "ckpt") == 3.0
+      assert sorted(p.name for p in work.iterdir()) == ["ckpt"]
+      if not killed:
+        break
+  finally:
+    saves.stdin.close()
+    saves.wait(timeout=120)
   assert outcomes[-1] == 2.0 and not killed  # the save ran to its end
   # The moments span the overwrite: some kills left the old checkpoint,
   # others (after the swap) the new one.

@@ -32,45 +32,8 @@ def make(loss_scale=None):
   return model, optimizer
 
 
-@nnx.jit
-def train_step(model, optimizer, x, y):
-
-  def loss_fn(model):
-    logits = POLICY.cast_to_output(model(POLICY.cast_to_compute(x)))
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    return loss, logits
-
-  (loss, logits), grads = nnx_value_and_grad(
-      loss_fn, jaxmp.get_loss_scale(optimizer.opt_state), has_aux=True)(model)
-  optimizer.update(model, grads)
-  return loss, logits, jaxmp.loss_scaling_metrics(optimizer.opt_state)
-
-
 def params_of(model):
   return jax.tree_util.tree_map(jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-
-
-def test_nnx_optimizer_overflow_skips_then_updates_every_param():
-  model, optimizer = make()
-  x, y = batch()
-  loss, logits, metrics = train_step(model, optimizer, x, y)
-  assert np.isfinite(loss) and logits.dtype == F32
-  assert int(metrics["skipped_steps"]) == 0
-  before = params_of(model)
-  inner_before = jax.tree_util.tree_map(
-      jnp.copy, nnx.to_pure_dict(nnx.state(optimizer))["opt_state"]["inner_state"])
-  _, _, metrics = train_step(model, optimizer, x.at[0, 0].set(jnp.inf), y)
-  chex.assert_trees_all_equal(params_of(model), before)
-  chex.assert_trees_all_equal(
-      nnx.to_pure_dict(nnx.state(optimizer))["opt_state"]["inner_state"], inner_before)
-  assert float(metrics["loss_scale"]) == 2.0**7
-  assert int(metrics["skipped_steps"]) == 1 and not bool(metrics["last_finite"])
-  assert int(optimizer.step[...]) == 2  # nnx.Optimizer's step counts calls
-  train_step(model, optimizer, x, y)
-  after = params_of(model)
-  changed = jax.tree_util.tree_map(lambda a, b: bool(jnp.any(a != b)), after, before)
-  assert all(jax.tree_util.tree_leaves(changed))
-  assert {p.dtype for p in jax.tree_util.tree_leaves(after)} == {F32}
 
 
 def test_get_loss_scale_returns_plain_arrays():
@@ -114,23 +77,6 @@ def test_compute_dtypes_and_no_retrace():
   step(model, optimizer, x, y)
   step(model, optimizer, x, y)
   assert len(traces) == 1
-
-
-def test_scaled_value_and_grad_matches_manual_scaling():
-  model, _ = make()
-  x, _ = batch()
-  loss_fn = lambda m: jnp.mean(POLICY.cast_to_output(m(x)) ** 2)
-  loss, grads = nnx_value_and_grad(
-      loss_fn, jaxmp.StaticLossScale(32.0))(model)
-  expected_loss, expected_grads = nnx.value_and_grad(
-      lambda m: loss_fn(m) * jnp.float32(32.0))(model)
-  chex.assert_trees_all_equal(loss * 32.0, expected_loss)
-  chex.assert_trees_all_equal(nnx.to_pure_dict(grads), nnx.to_pure_dict(expected_grads))
-  with pytest.raises(TypeError, match="get_loss_scale"):
-    nnx_value_and_grad(loss_fn, 32.0)
-  with pytest.raises(TypeError, match="pair"):
-    nnx_value_and_grad(
-        loss_fn, jaxmp.StaticLossScale(2.0), has_aux=True)(model)
 
 
 class BatchNormMLP(nnx.Module):
@@ -215,4 +161,3 @@ def test_keep_on_skip_refuses_the_models_own_variables_as_the_old_value():
   optimizer.update(model, grads)
   with pytest.raises(ValueError, match="Take a copy before the step"):
     jaxmp.keep_on_skip(optimizer.opt_state, nnx.state(model, nnx.BatchStat), live)
-

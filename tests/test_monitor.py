@@ -56,7 +56,7 @@ def test_partial_window_and_exact_since_last_skip():
   monitor = jaxmp.LossScaleMonitor(every=1, window=100, warn_rate=None)
   assert monitor.overflow_rate() is None
   assert monitor.steps_since_last_skip() is None
-  assert monitor.summary() == "no loss-scaling metrics recorded yet"
+  assert "no loss-scaling metrics" in monitor.summary()  # nothing recorded yet
   _scripted(monitor, [True, False, False, True, False, False, False])
   # Fewer than `window` steps: measured from step 0.
   assert monitor.overflow_rate() == 2 / 7

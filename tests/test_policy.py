@@ -150,8 +150,9 @@ class CastTest(chex.TestCase):
 def test_casts_keep_numpy_leaves_numpy_and_leave_python_values_alone():
   policy = jaxmp.get_policy("mixed_float16")
   tree = {"np": np.ones(2), "np_scalar": np.float32(1.5), "python": 1.5,
-          "string": "name", "none": None}
+          "string": "name", "none": None, "function": jnp.tanh}  # as Equinox modules hold
   out = policy.cast_to_compute(tree)
+  assert out["function"] is jnp.tanh
   assert isinstance(out["np"], np.ndarray) and out["np"].dtype == np.float16
   assert isinstance(out["np_scalar"], np.generic) and out["np_scalar"].dtype == np.float16
   assert out["python"] == 1.5 and isinstance(out["python"], float)
