@@ -422,7 +422,7 @@ class Fp8Policy(Policy):
     ('Fp8Policy', 'p=f32,c=bf16,o=f32,dot=fp8', 1024)
     >>> str(jaxmp.get_policy("mixed_fp8").base), policy.needs_loss_scaling
     ('p=f32,c=bf16,o=f32', False)
-    >>> str(jaxmp.get_policy("mixed_fp8,amax_history=16"))
+    >>> str(jaxmp.get_policy("p=f32,c=bf16,o=f32,dot=fp8,amax_history=16"))
     'p=f32,c=bf16,o=f32,dot=fp8,amax_history=16'
   """
 
