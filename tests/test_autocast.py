@@ -547,10 +547,6 @@ def test_each_param_is_cast_once_however_often_it_is_used():
                and e.outvars[0].aval.shape == (8,)]
   # Over the batch and over the broadcast's leading 1, for each of the 4 uses.
   assert bias_sums == [(F32,)] * 8
-  # The same in the program XLA receives: one convert per argument.
-  text = jax.jit(jax.grad(fast)).lower(params, x).as_text()
-  converted = re.findall(r"stablehlo\.convert (%arg\d+)", text)
-  assert sorted(converted) == sorted(set(converted)) and len(converted) == 2
 
 
 # -- Configuration ----------------------------------------------------------------------
@@ -776,8 +772,11 @@ def test_vmap_and_sharded_jit():
   np.testing.assert_allclose(loss, want_loss, rtol=1e-4)
   chex.assert_trees_all_close(grads, want_grads, rtol=1e-3, atol=1e-5)
   chex.assert_trees_all_equal_dtypes(grads, params)
-  lowered = step.lower(params, sharded_x).as_text()
-  assert "bf16" in lowered and "sharding" in lowered
+  # The sharded program multiplies in bfloat16 and keeps x sharded over the
+  # batch (it is not gathered onto one device first).
+  assert set(dot_dtypes(jax.make_jaxpr(step)(params, sharded_x))) == {(BF16, BF16)}
+  _, x_sharding = step.lower(params, sharded_x).compile().input_shardings[0]
+  assert x_sharding.is_equivalent_to(sharded_x.sharding, x.ndim)
 
 
 # -- The benchmark and the docs ----------------------------------------------------
