@@ -58,33 +58,156 @@ def _overflowing_opt_state(steps=2):
 
 # -- Three frameworks -----------------------------------------------------------
 # A plain optax loop holds (params, opt_state); a jaxmp.flax.TrainState holds
-# its policy; an nnx.Optimizer is switched in place with its model.
+# its policy; an nnx.Optimizer is switched in place with its model. Each runs
+# a tiny model (``Spike`` or ``NnxHead``) whose float16 forward pass overflows
+# on large inputs.
 
 FRAMEWORKS = ("optax", "train_state", "nnx")
+
+
+class Spike(nn.Module):
+  """A tiny model whose float16 forward pass overflows on large inputs."""
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(3)(x)
+
+
+class NnxHead(nnx.Module):
+
+  def __init__(self, rngs, head_scale=1.0):
+    self.body = nnx.Linear(2, 4, rngs=rngs)
+    self.head = nnx.Linear(4, 3, rngs=rngs,
+                           kernel_init=nnx.initializers.constant(head_scale))
+
+  def __call__(self, x):
+    return self.head(self.body(x))
+
+
+def _loss_scale(loss_scale):
+  return loss_scale or jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0)
+
+
+def _train_state(loss_scale=None):
+  model = Spike()
+  params = model.init(jax.random.key(0), X)["params"]
+  return jaxmp.flax.TrainState.create(
+      apply_fn=model.apply, params=params, tx=optax.adam(1e-2),
+      policy="mixed_float16", loss_scale=_loss_scale(loss_scale))
+
+
+def _counted_step():
+  traces = []
+
+  @jax.jit
+  def step(state, x, y):
+    traces.append(None)
+
+    def loss_fn(params, x, y):
+      return jnp.mean((state.apply_fn({"params": params}, x) - y) ** 2)
+
+    loss, grads = state.value_and_grad(loss_fn)(state.params, x, y)
+    return state.apply_gradients(grads=grads), loss
+
+  return step, traces
+
+
+def _nnx_run(head_scale=1.0, loss_scale=None):
+  model = NnxHead(nnx.Rngs(0), head_scale)
+  jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
+  optimizer = nnx.Optimizer(
+      model, jaxmp.loss_scaling(optax.adam(1e-3), _loss_scale(loss_scale)),
+      wrt=nnx.Param)
+  traces = []
+
+  @nnx.jit
+  def step(model, optimizer, x):
+    traces.append(None)
+    loss, grads = jaxmp.scaled_value_and_grad(
+        lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2),
+        jaxmp.get_loss_scale(optimizer.opt_state),
+        value_and_grad=nnx.value_and_grad)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  return model, optimizer, step, traces
+
+
+def _optax_tx(loss_scale=None):
+  return jaxmp.loss_scaling(optax.adam(1e-2), _loss_scale(loss_scale))
+
+
+def _optax_run(loss_scale=None):
+  model = Spike()
+  params = model.init(jax.random.key(0), X)["params"]
+  tx = _optax_tx(loss_scale)
+  traces = []
+
+  @functools.partial(jax.jit, static_argnames="policy")
+  def step(target, x, policy):
+    traces.append(policy)
+    params, opt_state = target
+
+    def loss_fn(params):
+      out = model.apply({"params": policy.cast_to_compute(params)},
+                        policy.cast_to_compute(x))
+      return jnp.mean((policy.cast_to_output(out) - Y) ** 2)
+
+    _, grads = jaxmp.scaled_value_and_grad(
+        loss_fn, jaxmp.get_loss_scale(opt_state))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return (params, tx.init(params)), None, step, traces
+
+
+def _run(framework, loss_scale=None):
+  """``(target, model, step, traces)`` of a run that starts in mixed_float16.
+
+  ``step(target, x, policy)`` returns the target after one update; ``traces``
+  grows by one each time the step is traced. The model is ``None`` but for NNX.
+  """
+  if framework == "optax":
+    return _optax_run(loss_scale)
+  if framework == "train_state":
+    step, traces = _counted_step()
+    return (_train_state(loss_scale), None,
+            lambda state, x, _: step(state, x, Y)[0], traces)
+  model, optimizer, step, traces = _nnx_run(loss_scale=loss_scale)
+
+  def nnx_step(optimizer, x, _):
+    step(model, optimizer, x)  # in place
+    return optimizer
+
+  return optimizer, model, nnx_step, traces
+
+
+def _floor_scale():
+  """A dynamic scale that reaches its floor at the second overflow."""
+  return jaxmp.DynamicLossScale(2.0, min_loss_scale=1.0)
 
 
 def _overflowed(framework):
   """A training state whose dynamic scale reached its floor, and its NNX model.
 
-  One finite step moved the moments, then two steps overflowed (the last one
-  at the minimum scale). The model is ``None`` but for NNX.
+  One finite step moved the params and moments, then two steps overflowed
+  (the last one at the minimum scale). Eager updates, no jitted step. The
+  model is ``None`` but for NNX.
   """
-  if framework == "optax":
-    _, params, opt_state = _overflowing_opt_state()
-    return (params, opt_state), None
-  loss_scale = jaxmp.DynamicLossScale(2.0, min_loss_scale=1.0)
-  inf = lambda tree: jax.tree_util.tree_map(lambda g: g * jnp.inf, tree)
-  if framework == "train_state":
-    state = _train_state(loss_scale=loss_scale)
-    ones = jax.tree_util.tree_map(jnp.ones_like, state.params)
-    for grads in (ones, inf(ones), inf(ones)):
-      state = state.apply_gradients(grads=grads)
-    return state, None
-  model, optimizer, _, _ = _nnx_run(loss_scale=loss_scale)
-  ones = jax.tree_util.tree_map(jnp.ones_like, nnx.state(model, nnx.Param))
-  for grads in (ones, inf(ones), inf(ones)):
-    optimizer.update(model, grads)
-  return optimizer, model
+  target, model, _, _ = _run(framework, _floor_scale())
+  ones = jax.tree_util.tree_map(jnp.ones_like, _kept(target, model)[0])
+  inf = jax.tree_util.tree_map(lambda g: g * jnp.inf, ones)
+  tx = _optax_tx(_floor_scale())
+  for grads in (ones, inf, inf):
+    if framework == "optax":
+      params, opt_state = target
+      updates, opt_state = tx.update(grads, opt_state, params)
+      target = (optax.apply_updates(params, updates), opt_state)
+    elif framework == "train_state":
+      target = target.apply_gradients(grads=grads)
+    else:
+      target.update(model, grads)  # in place
+  return target, model
 
 
 def _opt_state(target):
@@ -97,6 +220,38 @@ def _kept(target, model):
             else target[0] if isinstance(target, tuple) else target.params)
   return jax.tree_util.tree_map(jnp.copy, (
       params, _opt_state(target).inner_state, getattr(target, "step", None)))
+
+
+def _update(fallback, target, model, step):
+  """``fallback.update`` for any framework: ``(target, policy)``."""
+  if model is None and isinstance(target, tuple):  # a plain optax loop
+    return fallback.update(target, step=step)
+  return fallback.update(target, model=model), fallback.policy
+
+
+def _checkpointed(target, model):
+  """What ``save_checkpoint`` and ``restore_checkpoint`` take: NNX's model too."""
+  return target if model is None else (model, target)
+
+
+def _restore(path, framework, fallback, abstract=False):
+  """A fresh run's target (in mixed_float16) restored from ``path``.
+
+  Returns ``(target, model, step, traces)`` as :func:`_run` does.
+  """
+  target, model, step, traces = _run(framework, _floor_scale())
+  if abstract:
+    target = jax.eval_shape(lambda: target)
+  restored = jaxmp.flax.restore_checkpoint(
+      path, _checkpointed(target, model), fallback=fallback)
+  return (restored if model is None else restored[1]), model, step, traces
+
+
+def _dot_dtypes(fn, *args):
+  """The dtypes of the operands of each matmul of ``fn(*args)``."""
+  jaxpr = jax.make_jaxpr(fn)(*args)
+  return [tuple(str(v.aval.dtype) for v in e.invars)
+          for e in jaxpr.eqns if e.primitive.name == "dot_general"]
 
 
 # -- The switch itself ----------------------------------------------------------
@@ -147,6 +302,7 @@ def test_an_optimizer_built_afresh_after_a_switch_has_the_switched_structure(fra
   assert jaxmp.get_loss_scale(fresh) == jaxmp.NoOpLossScale()
 
 
+@pytest.mark.integration  # a fresh process: this one has imported jaxmp.flax
 def test_switching_an_nnx_optimizer_needs_no_import_of_jaxmp_flax():
   # No registry that an import fills: `import jaxmp` alone switches NNX.
   code = """if True:
@@ -301,144 +457,16 @@ def test_the_default_ladder_on_this_cpu_falls_back_to_float32():
 # -- A TrainState ---------------------------------------------------------------
 
 
-class Spike(nn.Module):
-  """A tiny model whose float16 forward pass overflows on large inputs."""
-
-  @nn.compact
-  def __call__(self, x):
-    return nn.Dense(3)(x)
-
-
-def _train_state(tx=None, loss_scale=None):
-  model = Spike()
-  params = model.init(jax.random.key(0), X)["params"]
-  return jaxmp.flax.TrainState.create(
-      apply_fn=model.apply, params=params, tx=tx or optax.adam(1e-2),
-      policy="mixed_float16",
-      loss_scale=loss_scale or jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0))
-
-
-def _counted_step():
-  traces = []
-
-  @jax.jit
-  def step(state, x, y):
-    traces.append(None)
-
-    def loss_fn(params, x, y):
-      return jnp.mean((state.apply_fn({"params": params}, x) - y) ** 2)
-
-    loss, grads = state.value_and_grad(loss_fn)(state.params, x, y)
-    return state.apply_gradients(grads=grads), loss
-
-  return step, traces
-
-
-def _run_with_a_spike(state, fallback, steps=8, spike=4):
-  """Steps with inputs that overflow float16 for the first ``spike`` steps."""
-  step, traces = _counted_step()
-  kept = {}
-  for i in range(steps):
-    state, _ = step(state, X * (1e5 if i < spike else 1.0), Y)
-    before = state
-    state = fallback.update(state)
-    if state is not before:
-      kept["before"], kept["after"] = before, state
-  return state, traces, kept
-
-
 def test_train_state_switch_rewraps_apply_fn_with_the_new_policy():
-  state = jaxmp.switch_precision(_train_state(), "float32")
-
-  def dot_dtypes(state):
-    jaxpr = jax.make_jaxpr(state.apply_fn)({"params": state.params}, X)
-    return [tuple(str(v.aval.dtype) for v in e.invars)
-            for e in jaxpr.eqns if e.primitive.name == "dot_general"]
-
-  assert dot_dtypes(_train_state()) == [("float16", "float16")]
-  assert dot_dtypes(state) == [("float32", "float32")]
-
-
-# -- NNX ------------------------------------------------------------------------
-
-
-class NnxHead(nnx.Module):
-
-  def __init__(self, rngs, head_scale=1.0):
-    self.body = nnx.Linear(2, 4, rngs=rngs)
-    self.head = nnx.Linear(4, 3, rngs=rngs,
-                           kernel_init=nnx.initializers.constant(head_scale))
-
-  def __call__(self, x):
-    return self.head(self.body(x))
-
-
-def _nnx_run(head_scale=1.0, loss_scale=None):
-  model = NnxHead(nnx.Rngs(0), head_scale)
-  jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
-  optimizer = nnx.Optimizer(
-      model, jaxmp.loss_scaling(optax.adam(1e-3), loss_scale or jaxmp.DynamicLossScale(
-          4.0, min_loss_scale=1.0)), wrt=nnx.Param)
-  traces = []
-
-  @nnx.jit
-  def step(model, optimizer, x):
-    traces.append(None)
-    loss, grads = jaxmp.scaled_value_and_grad(
-        lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2),
-        jaxmp.get_loss_scale(optimizer.opt_state),
-        value_and_grad=nnx.value_and_grad)(model)
-    optimizer.update(model, grads)
-    return loss
-
-  return model, optimizer, step, traces
+  state = _train_state()
+  switched = jaxmp.switch_precision(state, "float32")
+  assert _dot_dtypes(state.apply_fn, {"params": state.params}, X) == [
+      ("float16", "float16")]
+  assert _dot_dtypes(switched.apply_fn, {"params": switched.params}, X) == [
+      ("float32", "float32")]
 
 
 # -- A run that switches -------------------------------------------------------
-
-
-def _optax_run():
-  model = Spike()
-  params = model.init(jax.random.key(0), X)["params"]
-  tx = jaxmp.loss_scaling(optax.adam(1e-2),
-                          jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0))
-  traces = []
-
-  @functools.partial(jax.jit, static_argnames="policy")
-  def step(target, x, policy):
-    traces.append(policy)
-    params, opt_state = target
-
-    def loss_fn(params):
-      out = model.apply({"params": policy.cast_to_compute(params)},
-                        policy.cast_to_compute(x))
-      return jnp.mean((policy.cast_to_output(out) - Y) ** 2)
-
-    _, grads = jaxmp.scaled_value_and_grad(
-        loss_fn, jaxmp.get_loss_scale(opt_state))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  return (params, tx.init(params)), None, step, traces
-
-
-def _run(framework):
-  """``(target, model, step, traces)`` of a run that starts in mixed_float16.
-
-  ``step(target, x, policy)`` returns the target after one update.
-  """
-  if framework == "optax":
-    return _optax_run()
-  if framework == "train_state":
-    step, traces = _counted_step()
-    return _train_state(), None, lambda state, x, _: step(state, x, Y)[0], traces
-  model, optimizer, step, traces = _nnx_run()
-
-  def nnx_step(optimizer, x, _):
-    step(model, optimizer, x)  # in place
-    return optimizer
-
-  return optimizer, model, nnx_step, traces
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
@@ -475,77 +503,72 @@ def test_a_run_switches_once_compiles_once_more_and_keeps_params_and_moments(
 # -- Checkpoints ----------------------------------------------------------------
 
 
-def test_train_state_checkpoint_after_the_switch_resumes_in_the_new_policy(tmp_path):
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_checkpoint_after_the_switch_resumes_in_the_new_policy(framework, tmp_path):
+  target, model = _overflowed(framework)
   fallback = jaxmp.PrecisionFallback(LADDER, every=1)
-  state, _, _ = _run_with_a_spike(_train_state(), fallback, steps=6)
-  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", state, fallback=fallback)
+  target, policy = _update(fallback, target, model, step=3)
+  float32 = jaxmp.get_policy("float32")
+  assert policy == float32
+  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", _checkpointed(target, model),
+                             fallback=fallback)
 
   resumed = jaxmp.PrecisionFallback(LADDER, every=1)  # a new process
-  restored = jaxmp.flax.restore_checkpoint(tmp_path / "ckpt", _train_state(),
-                                           fallback=resumed)
-  assert restored.policy == jaxmp.get_policy("float32")
-  assert restored.loss_scale == jaxmp.NoOpLossScale()
-  _same_arrays(restored.params, state.params)
-  _same_arrays(restored.opt_state, state.opt_state)
-  assert int(restored.step) == int(state.step) == 6
+  # The target is built in float16, as at the start of the run.
+  restored, restored_model, step, traces = _restore(tmp_path / "ckpt", framework,
+                                                    resumed)
   assert resumed.events == fallback.events and resumed.rung == 1
-  assert resumed.policy == fallback.policy
+  assert resumed.policy == fallback.policy == float32
+  if framework == "train_state":
+    assert restored.policy == float32
+  elif framework == "nnx":
+    assert restored_model.head.dtype == restored_model.body.dtype == jnp.float32
+  assert jaxmp.get_loss_scale(_opt_state(restored)) == jaxmp.NoOpLossScale()
+  _same_arrays(_kept(restored, restored_model), _kept(target, model))
+  _same_arrays(_opt_state(restored), _opt_state(target))
+  if framework != "optax":
+    assert int(jax.tree_util.tree_leaves(restored.step)[0]) == 3
   # The restored state steps in float32 (a fresh jit: one trace).
-  step, traces = _counted_step()
-  restored, _ = step(restored, X, Y)
-  assert len(traces) == 1 and bool(restored.metrics["last_finite"])
+  restored = step(restored, X, resumed.policy)
+  assert len(traces) == 1
+  assert bool(jaxmp.loss_scaling_metrics(_opt_state(restored))["last_finite"])
 
 
-def test_an_abstract_target_follows_the_switch_too(tmp_path):
+@pytest.mark.parametrize("framework", ["optax", "train_state"])  # pytrees
+def test_an_abstract_target_follows_the_switch_too(framework, tmp_path):
+  target, model = _overflowed(framework)
   fallback = jaxmp.PrecisionFallback(LADDER, every=1)
-  state, _, _ = _run_with_a_spike(_train_state(), fallback, steps=5)
-  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", state, fallback=fallback)
-  restored = jaxmp.flax.restore_checkpoint(
-      tmp_path / "ckpt", jax.eval_shape(_train_state),
-      fallback=jaxmp.PrecisionFallback(LADDER))
-  assert restored.policy == jaxmp.get_policy("float32")
-  _same_arrays(restored.opt_state, state.opt_state)
-
-
-def test_optax_state_checkpoint_records_the_policy(tmp_path):
-  _, _, state = _overflowing_opt_state()
-  fallback = jaxmp.PrecisionFallback(LADDER, every=1)
-  state, policy = fallback.update(state, step=1)
-  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", state, fallback=fallback)
+  target, _ = _update(fallback, target, model, step=3)
+  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", target, fallback=fallback)
   resumed = jaxmp.PrecisionFallback(LADDER)
-  target = _overflowing_opt_state(steps=0)[2]  # built in float16, as at the start
-  restored = jaxmp.flax.restore_checkpoint(tmp_path / "ckpt", target,
-                                           fallback=resumed)
-  _same_arrays(restored, state)
-  assert resumed.policy == policy == jaxmp.get_policy("float32")
+  restored, _, _, _ = _restore(tmp_path / "ckpt", framework, resumed, abstract=True)
+  assert resumed.policy == jaxmp.get_policy("float32")
+  if framework == "train_state":
+    assert restored.policy == jaxmp.get_policy("float32")
+  assert jaxmp.get_loss_scale(_opt_state(restored)) == jaxmp.NoOpLossScale()
+  _same_arrays(_kept(restored, None), _kept(target, None))
+  _same_arrays(_opt_state(restored), _opt_state(target))
 
 
-def test_nnx_checkpoint_resumes_model_dtypes_and_optimizer(tmp_path):
-  model, optimizer, step, _ = _nnx_run()
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_checkpoint_before_any_switch_restores_in_the_first_policy(
+    framework, tmp_path):
+  target, model = _overflowed(framework)  # at the floor, not switched yet
   fallback = jaxmp.PrecisionFallback(LADDER, every=1)
-  for i in range(4):
-    step(model, optimizer, X * 1e5)
-    fallback.update(optimizer, model=model)
-  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", (model, optimizer), fallback=fallback)
-  model2, optimizer2, _, _ = _nnx_run()
+  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", _checkpointed(target, model),
+                             fallback=fallback)
   resumed = jaxmp.PrecisionFallback(LADDER)
-  jaxmp.flax.restore_checkpoint(tmp_path / "ckpt", (model2, optimizer2),
-                                fallback=resumed)
-  assert model2.head.dtype == jnp.float32
-  assert jaxmp.get_loss_scale(optimizer2.opt_state) == jaxmp.NoOpLossScale()
-  _same_arrays(nnx.state(model2, nnx.Param), nnx.state(model, nnx.Param))
-  _same_arrays(nnx.state(optimizer2), nnx.state(optimizer))
-  assert resumed.events == fallback.events
-
-
-def test_a_checkpoint_before_any_switch_restores_in_the_first_policy(tmp_path):
-  fallback = jaxmp.PrecisionFallback(LADDER, every=1)
-  state = _train_state()
-  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", state, fallback=fallback)
-  restored = jaxmp.flax.restore_checkpoint(tmp_path / "ckpt", _train_state(),
-                                           fallback=jaxmp.PrecisionFallback(LADDER))
-  assert restored.policy == jaxmp.get_policy("mixed_float16")
-  _same_arrays(restored.opt_state, state.opt_state)
+  restored, restored_model, _, _ = _restore(tmp_path / "ckpt", framework, resumed)
+  float16 = jaxmp.get_policy("mixed_float16")
+  assert resumed.policy == float16 and resumed.rung == 0 and resumed.events == []
+  if framework == "train_state":
+    assert restored.policy == float16
+  elif framework == "nnx":
+    assert restored_model.head.dtype == restored_model.body.dtype == jnp.float16
+  assert isinstance(jaxmp.get_loss_scale(_opt_state(restored)),
+                    jaxmp.DynamicLossScale)
+  _same_arrays(_kept(restored, restored_model), _kept(target, model))
+  _same_arrays(_opt_state(restored), _opt_state(target))
 
 
 # -- Promotion: the module that overflows ---------------------------------------
@@ -575,82 +598,110 @@ class OneBadModule(nn.Module):
     return nn.Dense(8, name="head", kernel_init=_wide_projection)(h)
 
 
-def _classifier_state():
-  model = OneBadModule()
+class NnxOneBadModule(nnx.Module):
+  """:class:`OneBadModule` in NNX."""
+
+  def __init__(self, rngs):
+    self.norm = nnx.LayerNorm(4, rngs=rngs)
+    self.body = nnx.Linear(4, 512, rngs=rngs)
+    self.head = nnx.Linear(512, 8, kernel_init=_wide_projection, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(nnx.relu(self.body(self.norm(x))))
+
+
+def _classifier(framework):
+  """``(target, model, step, forward, classes)`` of a classifier in mixed_float16.
+
+  ``step(target)`` trains on one batch and returns ``(target, grads)``;
+  ``forward(target)`` is the call to watch, as ``find_overflowing_modules``
+  takes it; ``classes`` are the model's module classes. The model is ``None``
+  but for NNX.
+  """
   x = jax.random.normal(jax.random.key(1), (8, 4))
   labels = jnp.arange(8) % 8
-  params = model.init(jax.random.key(0), x)["params"]
-  state = jaxmp.flax.TrainState.create(
-      apply_fn=model.apply, params=params, tx=optax.adam(1e-4),
-      policy="mixed_float16",
-      loss_scale=jaxmp.DynamicLossScale(2.0**3, min_loss_scale=1.0))
-  return state, x, labels
+  loss_scale = jaxmp.DynamicLossScale(2.0**3, min_loss_scale=1.0)
 
-
-@jax.jit
-def _classifier_step(state, x, labels):
-  def loss_fn(params, x, labels):
-    logits = state.apply_fn({"params": params}, x)
+  def loss(logits):
     return optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), labels).mean()
 
-  loss, grads = state.value_and_grad(loss_fn)(state.params, x, labels)
-  return state.apply_gradients(grads=grads), grads
+  if framework == "linen":
+    model = OneBadModule()
+    state = jaxmp.flax.TrainState.create(
+        apply_fn=model.apply, params=model.init(jax.random.key(0), x)["params"],
+        tx=optax.adam(1e-4), policy="mixed_float16", loss_scale=loss_scale)
+
+    @jax.jit
+    def step(state):
+      _, grads = state.value_and_grad(
+          lambda params: loss(state.apply_fn({"params": params}, x)))(state.params)
+      return state.apply_gradients(grads=grads), grads
+
+    return (state, None, step,
+            lambda state: (state.apply_fn, {"params": state.params}, x),
+            (OneBadModule, nn.LayerNorm, nn.Dense))
+  model = NnxOneBadModule(nnx.Rngs(0))
+  jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
+  optimizer = nnx.Optimizer(
+      model, jaxmp.loss_scaling(optax.adam(1e-4), loss_scale), wrt=nnx.Param)
+
+  @nnx.jit
+  def nnx_step(model, optimizer):
+    _, grads = jaxmp.scaled_value_and_grad(
+        lambda m: loss(m(x)), jaxmp.get_loss_scale(optimizer.opt_state),
+        value_and_grad=nnx.value_and_grad)(model)
+    optimizer.update(model, grads)
+    return grads
+
+  return (optimizer, model, lambda optimizer: (optimizer, nnx_step(model, optimizer)),
+          lambda _: (model, x), (NnxOneBadModule, nnx.LayerNorm, nnx.Linear))
 
 
-def test_only_the_overflowing_module_is_promoted_and_training_then_skips_nothing():
-  state, x, labels = _classifier_state()
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+def test_only_the_overflowing_module_is_promoted_and_training_then_skips_nothing(
+    framework):
+  target, model, step, forward, classes = _classifier(framework)
   fallback = jaxmp.PrecisionFallback(LADDER, every=1)
   reason = None
   for _ in range(6):  # 8 -> 4 -> 2 -> 1, then an overflow at the floor
-    state, grads = _classifier_step(state, x, labels)
-    reason = fallback.check(state)
+    target, grads = step(target)
+    reason = fallback.check(target)
     if reason:
       break
   assert reason == "1 overflow(s) at the minimum loss scale 1"
-  report = jaxmp.flax.find_overflowing_modules(
-      state.apply_fn, {"params": state.params}, x, grads=grads)
+  before = jax.tree_util.tree_map(jnp.copy, _kept(target, model))
+  calls = {cls: vars(cls).get("__call__") for cls in classes}
+  report = jaxmp.flax.find_overflowing_modules(*forward(target), grads=grads)
   assert report.modules == ("head",)
   assert report.inputs_finite
   assert set(report.gradient_modules) == {"body", "norm", "head"}
   assert [(c.path, c.inputs_finite, c.outputs_finite) for c in report.calls] == [
       ("", True, False), ("norm", True, True), ("body", True, True),
       ("head", True, False)]
-  policy = report.propose_policy(state.policy)
+  # Nothing of the model was changed: its arrays, its classes' __call__.
+  _same_arrays(_kept(target, model), before)
+  assert {cls: vars(cls).get("__call__") for cls in classes} == calls
+  policy = report.propose_policy(fallback.policy)
   assert policy == jaxmp.flax.ModulePolicy({"head": "float32"},
                                            default="mixed_float16", override_dtype=True)
-  skipped = int(state.metrics["skipped_steps"])
-  state = fallback.switch(state, policy, reason=str(report))
+  skipped = int(jaxmp.loss_scaling_metrics(_opt_state(target))["skipped_steps"])
+  target = fallback.switch(target, policy, reason=str(report), model=model)
   assert fallback.events[-1].new_policy == str(policy)
   assert fallback.rung == 0 and fallback.next_policy == jaxmp.get_policy("float32")
   # float16 remains: the loss scale stays dynamic, where it was.
-  assert isinstance(state.loss_scale, jaxmp.DynamicLossScale)
-  assert float(state.loss_scale.loss_scale) == 1.0
-  for _ in range(10):
-    state, _ = _classifier_step(state, x, labels)
-    assert fallback.check(state) is None  # the floor's count was the baseline
-  assert int(state.metrics["skipped_steps"]) == skipped
-  # The rest still computes in float16.
-  jaxpr = jax.make_jaxpr(state.apply_fn)({"params": state.params}, x)
-  dots = [str(e.invars[0].aval.dtype) for e in jaxpr.eqns
-          if e.primitive.name == "dot_general"]
-  assert dots == ["float16", "float32"]
-
-
-def test_nnx_overflowing_module_is_found_without_changing_the_model():
-  model = NnxHead(nnx.Rngs(0), head_scale=1e5)
-  jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
-  before = jax.tree_util.tree_map(jnp.copy, nnx.state(model))
-  report = jaxmp.flax.find_overflowing_modules(model, X)
-  assert report.modules == ("head",)
-  _same_arrays(nnx.state(model), before)
-  assert NnxHead.__call__ is NnxHead.__dict__["__call__"]  # unwrapped again
-  policy = report.propose_policy("mixed_float16")
-  model, optimizer, _, _ = _nnx_run(head_scale=1e5)
-  jaxmp.switch_precision(optimizer, policy, model=model)
-  assert model.head.dtype == jnp.float32 and model.body.dtype == jnp.float16
-  assert isinstance(jaxmp.get_loss_scale(optimizer.opt_state), jaxmp.DynamicLossScale)
-  assert jaxmp.flax.find_overflowing_modules(model, X).modules == ()
+  loss_scale = jaxmp.get_loss_scale(_opt_state(target))
+  assert isinstance(loss_scale, jaxmp.DynamicLossScale)
+  assert float(loss_scale.loss_scale) == 1.0
+  for _ in range(4):
+    target, _ = step(target)
+    assert fallback.check(target) is None  # the floor's count was the baseline
+  metrics = jaxmp.loss_scaling_metrics(_opt_state(target))
+  assert int(metrics["skipped_steps"]) == skipped
+  # head computes in float32, the rest still in float16, and nothing overflows.
+  assert _dot_dtypes(*forward(target)) == [("float16", "float16"),
+                                           ("float32", "float32")]
+  assert jaxmp.flax.find_overflowing_modules(*forward(target)).modules == ()
 
 
 def test_the_innermost_producer_is_reported_however_deep():
