@@ -42,20 +42,6 @@ def _same_arrays(a, b):
     assert x.tobytes() == y.tobytes()
 
 
-def _overflowing_opt_state(steps=2):
-  """An adam state whose dynamic scale reached its floor; the last step overflowed there."""
-  tx = jaxmp.loss_scaling(optax.adam(0.1),
-                          jaxmp.DynamicLossScale(2.0, min_loss_scale=1.0))
-  params = {"w": jnp.arange(3.0), "b": jnp.ones(1)}
-  state = tx.init(params)
-  finite = {"w": jnp.ones(3), "b": jnp.ones(1)}
-  _, state = tx.update(finite, state, params)  # moments and count move
-  for _ in range(steps):
-    _, state = tx.update(jax.tree_util.tree_map(lambda g: g * jnp.inf, finite),
-                         state, params)
-  return tx, params, state
-
-
 # -- Three frameworks -----------------------------------------------------------
 # A plain optax loop holds (params, opt_state); a jaxmp.flax.TrainState holds
 # its policy; an nnx.Optimizer is switched in place with its model. Each runs
@@ -187,27 +173,39 @@ def _floor_scale():
   return jaxmp.DynamicLossScale(2.0, min_loss_scale=1.0)
 
 
-def _overflowed(framework):
+@nnx.jit
+def _apply_gradients(target, model, grads):
+  """One update of any framework's state with ``grads`` (jitted: one compile)."""
+  if model is not None:  # an nnx.Optimizer
+    target.update(model, grads)  # in place
+  elif isinstance(target, tuple):  # a plain optax loop
+    params, opt_state = target
+    # The update reads the loss scale from the state, not from the tx.
+    updates, opt_state = _optax_tx().update(grads, opt_state, params)
+    target = (optax.apply_updates(params, updates), opt_state)
+  else:  # a TrainState
+    target = target.apply_gradients(grads=grads)
+  return target
+
+
+def _overflowed(framework, overflows=2):
   """A training state whose dynamic scale reached its floor, and its NNX model.
 
-  One finite step moved the params and moments, then two steps overflowed
-  (the last one at the minimum scale). Eager updates, no jitted step. The
-  model is ``None`` but for NNX.
+  One finite step moved the params and moments, then ``overflows`` steps
+  overflowed (with 2 or more, the last ones at the minimum scale). The model
+  is ``None`` but for NNX.
   """
   target, model, _, _ = _run(framework, _floor_scale())
   ones = jax.tree_util.tree_map(jnp.ones_like, _kept(target, model)[0])
   inf = jax.tree_util.tree_map(lambda g: g * jnp.inf, ones)
-  tx = _optax_tx(_floor_scale())
-  for grads in (ones, inf, inf):
-    if framework == "optax":
-      params, opt_state = target
-      updates, opt_state = tx.update(grads, opt_state, params)
-      target = (optax.apply_updates(params, updates), opt_state)
-    elif framework == "train_state":
-      target = target.apply_gradients(grads=grads)
-    else:
-      target.update(model, grads)  # in place
+  for grads in (ones, *[inf] * overflows):
+    target = _apply_gradients(target, model, grads)
   return target, model
+
+
+def _at_the_floor(overflows=2):
+  """The optimizer state of a plain optax loop, as :func:`_overflowed` leaves it."""
+  return _opt_state(_overflowed("optax", overflows)[0])
 
 
 def _opt_state(target):
@@ -354,7 +352,7 @@ def test_the_controller_switches_on_overflows_at_the_minimum_scale(caplog):
 
 
 def test_the_controller_reads_the_metrics_only_every_n_steps():
-  _, _, state = _overflowing_opt_state()
+  state = _at_the_floor()
   fallback = jaxmp.PrecisionFallback(LADDER, every=5)
   for step in (1, 2, 3, 4):
     assert fallback.check(state, step=step) is None
@@ -364,10 +362,10 @@ def test_the_controller_reads_the_metrics_only_every_n_steps():
 
 
 def test_a_tolerated_overflow_at_the_minimum_does_not_switch():
-  _, _, state = _overflowing_opt_state(steps=2)
+  state = _at_the_floor(2)
   fallback = jaxmp.PrecisionFallback(LADDER, every=1, max_overflows_at_min=1)
   assert fallback.check(state, step=1) is None
-  _, _, state = _overflowing_opt_state(steps=3)
+  state = _at_the_floor(3)
   assert fallback.check(state, step=2) == "2 overflow(s) at the minimum loss scale 1"
 
 
@@ -407,7 +405,7 @@ def test_the_overflow_rate_of_the_new_policy_is_measured_from_the_switch():
 
 
 def test_raise_mode_raises_check_loss_scales_error():
-  _, _, state = _overflowing_opt_state()
+  state = _at_the_floor()
   fallback = jaxmp.PrecisionFallback(LADDER, every=1, on_failure="raise")
   with pytest.raises(jaxmp.LossScaleAtMinimumError) as raised:
     fallback.update(state, step=1)
@@ -418,7 +416,7 @@ def test_raise_mode_raises_check_loss_scales_error():
 
 
 def test_raise_mode_with_a_single_rung():
-  _, _, state = _overflowing_opt_state()
+  state = _at_the_floor()
   fallback = jaxmp.PrecisionFallback(("mixed_float16",), every=1, on_failure="raise")
   with pytest.raises(jaxmp.LossScaleAtMinimumError,
                      match="Current loss scale already at minimum"):
@@ -629,7 +627,7 @@ def _classifier(framework):
   if framework == "linen":
     model = OneBadModule()
     state = jaxmp.flax.TrainState.create(
-        apply_fn=model.apply, params=model.init(jax.random.key(0), x)["params"],
+        apply_fn=model.apply, params=jax.jit(model.init)(jax.random.key(0), x)["params"],  # one compile
         tx=optax.adam(1e-4), policy="mixed_float16", loss_scale=loss_scale)
 
     @jax.jit
@@ -641,7 +639,7 @@ def _classifier(framework):
     return (state, None, step,
             lambda state: (state.apply_fn, {"params": state.params}, x),
             (OneBadModule, nn.LayerNorm, nn.Dense))
-  model = NnxOneBadModule(nnx.Rngs(0))
+  model = nnx.jit(lambda: NnxOneBadModule(nnx.Rngs(0)))()  # one compile, not op by op
   jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
   optimizer = nnx.Optimizer(
       model, jaxmp.loss_scaling(optax.adam(1e-4), loss_scale), wrt=nnx.Param)
@@ -736,7 +734,7 @@ def test_promotion_on_top_of_a_module_policy_keeps_its_rules():
   x = jax.random.normal(jax.random.key(1), (2, 4))
   report = jaxmp.flax.find_overflowing_modules(
       jaxmp.get_policy("mixed_float16").wrap_apply(OneBadModule().apply),
-      OneBadModule().init(jax.random.key(0), x), x)
+      jax.jit(OneBadModule().init)(jax.random.key(0), x), x)
   base = jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_float16")
   policy = report.propose_policy(base)
   assert policy == jaxmp.flax.ModulePolicy(
@@ -755,7 +753,7 @@ def test_the_proposed_policy_wins_over_a_declared_float16_dtype():
 
   model = DeclaredFloat16()
   x = jax.random.normal(jax.random.key(1), (8, 4))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   report = jaxmp.flax.find_overflowing_modules(
       jaxmp.get_policy("mixed_float16").wrap_apply(model.apply), variables, x)
   assert report.modules == ("head",)
