@@ -192,8 +192,8 @@ def _overflowed(framework, overflows=2):
   """A training state whose dynamic scale reached its floor, and its NNX model.
 
   One finite step moved the params and moments, then ``overflows`` steps
-  overflowed (with 2 or more, the last ones at the minimum scale). The model
-  is ``None`` but for NNX.
+  overflowed: the first halved the scale to its floor, the others found it
+  there. The model is ``None`` but for NNX.
   """
   target, model, _, _ = _run(framework, _floor_scale())
   ones = jax.tree_util.tree_map(jnp.ones_like, _kept(target, model)[0])
@@ -233,16 +233,30 @@ def _checkpointed(target, model):
 
 
 def _restore(path, framework, fallback, abstract=False):
-  """A fresh run's target (in mixed_float16) restored from ``path``.
+  """A fresh run's target, built in mixed_float16, restored from ``path``.
 
-  Returns ``(target, model, step, traces)`` as :func:`_run` does.
+  Returns ``(target, model, step, traces)`` as :func:`_run` does. With
+  ``abstract``, the target and model restored into are only shapes and
+  dtypes (``jax.eval_shape``, ``nnx.eval_shape``), and there is no step.
   """
-  target, model, step, traces = _run(framework, _floor_scale())
   if abstract:
-    target = jax.eval_shape(lambda: target)
+    eval_shape = nnx.eval_shape if framework == "nnx" else jax.eval_shape
+    target, model = eval_shape(lambda: _run(framework, _floor_scale())[:2])
+    step = traces = None
+  else:
+    target, model, step, traces = _run(framework, _floor_scale())
   restored = jaxmp.flax.restore_checkpoint(
       path, _checkpointed(target, model), fallback=fallback)
   return (restored if model is None else restored[1]), model, step, traces
+
+
+def _assert_in(policy, target, model):
+  """A TrainState holds ``policy``; an NNX model computes in its dtype."""
+  policy = jaxmp.get_policy(policy)
+  if model is not None:
+    assert model.head.dtype == model.body.dtype == policy.compute_dtype
+  elif not isinstance(target, tuple):  # a plain optax loop holds no policy
+    assert target.policy == policy
 
 
 def _dot_dtypes(fn, *args):
@@ -517,10 +531,7 @@ def test_a_checkpoint_after_the_switch_resumes_in_the_new_policy(framework, tmp_
                                                     resumed)
   assert resumed.events == fallback.events and resumed.rung == 1
   assert resumed.policy == fallback.policy == float32
-  if framework == "train_state":
-    assert restored.policy == float32
-  elif framework == "nnx":
-    assert restored_model.head.dtype == restored_model.body.dtype == jnp.float32
+  _assert_in(float32, restored, restored_model)
   assert jaxmp.get_loss_scale(_opt_state(restored)) == jaxmp.NoOpLossScale()
   _same_arrays(_kept(restored, restored_model), _kept(target, model))
   _same_arrays(_opt_state(restored), _opt_state(target))
@@ -532,19 +543,20 @@ def test_a_checkpoint_after_the_switch_resumes_in_the_new_policy(framework, tmp_
   assert bool(jaxmp.loss_scaling_metrics(_opt_state(restored))["last_finite"])
 
 
-@pytest.mark.parametrize("framework", ["optax", "train_state"])  # pytrees
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_an_abstract_target_follows_the_switch_too(framework, tmp_path):
   target, model = _overflowed(framework)
   fallback = jaxmp.PrecisionFallback(LADDER, every=1)
   target, _ = _update(fallback, target, model, step=3)
-  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", target, fallback=fallback)
+  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", _checkpointed(target, model),
+                             fallback=fallback)
   resumed = jaxmp.PrecisionFallback(LADDER)
-  restored, _, _, _ = _restore(tmp_path / "ckpt", framework, resumed, abstract=True)
+  restored, restored_model, _, _ = _restore(tmp_path / "ckpt", framework, resumed,
+                                            abstract=True)
   assert resumed.policy == jaxmp.get_policy("float32")
-  if framework == "train_state":
-    assert restored.policy == jaxmp.get_policy("float32")
+  _assert_in("float32", restored, restored_model)
   assert jaxmp.get_loss_scale(_opt_state(restored)) == jaxmp.NoOpLossScale()
-  _same_arrays(_kept(restored, None), _kept(target, None))
+  _same_arrays(_kept(restored, restored_model), _kept(target, model))
   _same_arrays(_opt_state(restored), _opt_state(target))
 
 
@@ -559,10 +571,7 @@ def test_a_checkpoint_before_any_switch_restores_in_the_first_policy(
   restored, restored_model, _, _ = _restore(tmp_path / "ckpt", framework, resumed)
   float16 = jaxmp.get_policy("mixed_float16")
   assert resumed.policy == float16 and resumed.rung == 0 and resumed.events == []
-  if framework == "train_state":
-    assert restored.policy == float16
-  elif framework == "nnx":
-    assert restored_model.head.dtype == restored_model.body.dtype == jnp.float16
+  _assert_in(float16, restored, restored_model)
   assert isinstance(jaxmp.get_loss_scale(_opt_state(restored)),
                     jaxmp.DynamicLossScale)
   _same_arrays(_kept(restored, restored_model), _kept(target, model))
@@ -626,9 +635,10 @@ def _classifier(framework):
 
   if framework == "linen":
     model = OneBadModule()
+    params = jax.jit(model.init)(jax.random.key(0), x)["params"]  # one compile
     state = jaxmp.flax.TrainState.create(
-        apply_fn=model.apply, params=jax.jit(model.init)(jax.random.key(0), x)["params"],  # one compile
-        tx=optax.adam(1e-4), policy="mixed_float16", loss_scale=loss_scale)
+        apply_fn=model.apply, params=params, tx=optax.adam(1e-4),
+        policy="mixed_float16", loss_scale=loss_scale)
 
     @jax.jit
     def step(state):
@@ -697,6 +707,8 @@ def test_only_the_overflowing_module_is_promoted_and_training_then_skips_nothing
   metrics = jaxmp.loss_scaling_metrics(_opt_state(target))
   assert int(metrics["skipped_steps"]) == skipped
   # head computes in float32, the rest still in float16, and nothing overflows.
+  if model is not None:
+    assert model.head.dtype == jnp.float32 and model.body.dtype == jnp.float16
   assert _dot_dtypes(*forward(target)) == [("float16", "float16"),
                                            ("float32", "float32")]
   assert jaxmp.flax.find_overflowing_modules(*forward(target)).modules == ()
