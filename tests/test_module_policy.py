@@ -175,6 +175,13 @@ class Traced(NamedTuple):
   report: dict | None  # what set_nnx_dtypes set (NNX)
 
 
+def traced(forward, params, x):
+  """``forward(params, x)`` traced, and the dtypes of its gradients: nothing
+  runs or compiles."""
+  grads = jax.eval_shape(jax.grad(lambda p: forward(p, x).astype(F32).sum()), params)
+  return jax.make_jaxpr(forward)(params, x), {g.dtype for g in jax.tree_util.tree_leaves(grads)}
+
+
 class Linen:
   """``policy.wrap_apply(model.apply)``; the model's own fields stay."""
 
@@ -183,13 +190,10 @@ class Linen:
 
   @staticmethod
   def trace(model_class, policy, x):
-    """The model under the policy, traced only (nothing compiles)."""
     model = model_class()
     params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
-    apply = lambda p, x: policy.wrap_apply(model.apply)({"params": p}, x)
-    grads = jax.eval_shape(jax.grad(lambda p: apply(p, x).astype(F32).sum()), params)
-    return Traced(jax.make_jaxpr(apply)(params, x),
-                  {g.dtype for g in jax.tree_util.tree_leaves(grads)}, None)
+    apply = policy.wrap_apply(model.apply)
+    return Traced(*traced(lambda p, x: apply({"params": p}, x), params, x), None)
 
 
 class Nnx:
@@ -200,11 +204,10 @@ class Nnx:
 
   @staticmethod
   def trace(model_class, policy, x):
-    model = model_class(nnx.Rngs(0))
+    model = nnx.eval_shape(lambda: model_class(nnx.Rngs(0)))
     report = policy.set_nnx_dtypes(model)
-    grads = jax.eval_shape(nnx.grad(lambda m: m(x).astype(F32).sum()), model)
-    return Traced(jax.make_jaxpr(lambda x: model(x))(x),
-                  {g.dtype for g in jax.tree_util.tree_leaves(grads)}, report)
+    graphdef, params = nnx.split(model)
+    return Traced(*traced(lambda p, x: nnx.merge(graphdef, p)(x), params, x), report)
 
 
 FRAMEWORKS = {"linen": Linen, "nnx": Nnx}
