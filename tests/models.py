@@ -5,6 +5,8 @@
 * ``LinenMLP`` and ``NnxMLP``: the same classifier, Dense(16), relu, LayerNorm,
   Dense(3), in Flax Linen and Flax NNX (the LayerNorm is what per-module
   policies keep in float32); ``classification_batch`` feeds them.
+* ``LinenBatchNormMLP`` and ``NnxBatchNormMLP``: Dense(8), BatchNorm, relu,
+  Dense(3), whose batch statistics a skipped step must keep.
 
 Each file's own models stay in that file when only it uses them.
 
@@ -115,6 +117,28 @@ class NnxMLP(nnx.Module):
 
   def __call__(self, x):
     return self.dense2(self.norm(nnx.relu(self.dense1(x))))
+
+
+class LinenBatchNormMLP(nn.Module):
+  """Dense(8), BatchNorm (momentum 0.9), relu, Dense(3)."""
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    x = nn.Dense(8)(x)
+    x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+    return nn.Dense(3)(nn.relu(x))
+
+
+class NnxBatchNormMLP(nnx.Module):
+  """``LinenBatchNormMLP`` in NNX (``train()`` and ``eval()`` choose the statistics)."""
+
+  def __init__(self, rngs):
+    self.dense1 = nnx.Linear(4, 8, rngs=rngs)
+    self.norm = nnx.BatchNorm(8, momentum=0.9, rngs=rngs)
+    self.dense2 = nnx.Linear(8, 3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.dense2(nnx.relu(self.norm(self.dense1(x))))
 
 
 def classification_batch(seed=0, n=8):

@@ -277,8 +277,17 @@ def test_get_loss_scale_finds_the_scale_in_nested_states():
       assert type(loss_scale.loss_scale) is type(jnp.ones(1))  # not a Variable
       assert float(loss_scale.loss_scale) == 8.0
       assert float(jax.jit(jaxmp.get_loss_scale)(state).loss_scale) == 8.0
-      assert float(jaxmp.loss_scaling_metrics(state)["loss_scale"]) == 8.0
+      metrics = jaxmp.loss_scaling_metrics(state)
+      assert all(type(v) is type(jnp.ones(1)) for v in metrics.values())
+      assert float(metrics["loss_scale"]) == 8.0
       jaxmp.check_loss_scale(state)
+  # A dynamic scale's counter and configuration come out of NNX's variables too.
+  dynamic = jaxmp.DynamicLossScale(2.0**8, period=7, hysteresis=2)
+  loss_scale = jaxmp.get_loss_scale(
+      _nnx_optimizer(jaxmp.loss_scaling(optax.adam(1e-3), dynamic)).opt_state)
+  assert type(loss_scale) is jaxmp.DynamicLossScale
+  assert type(loss_scale.counter) is type(jnp.ones(1))
+  assert loss_scale.config() == dynamic.config() and float(loss_scale.loss_scale) == 2.0**8
 
 
 @pytest.mark.parametrize("build, path, where", [

@@ -1,15 +1,17 @@
 """Tests of jaxmp.flax.ModulePolicy: per-module policies for Linen and NNX.
 
 The dtypes each module computes in are read off the jaxpr, not inferred from
-outputs: Linen puts each module's name on its equations' name stack; for NNX
-the model's equations are split at its matrix products. The error messages
-live in tests/test_bad_input.py.
+outputs. A promise that holds in both frameworks is tested once, over both
+(an adapter per framework traces its model under the policy), and the
+equations are split at the matrix products; the Linen-only tests read each
+module's name off its equations' name stack. The error messages live in
+tests/test_bad_input.py.
 """
 
 import dataclasses
 import functools
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import chex
 import flax.linen as nn
@@ -27,6 +29,7 @@ from matmul_dtypes import input_dtypes, matmul_dtypes
 BF16 = np.dtype(jnp.bfloat16)
 F16 = np.dtype(jnp.float16)
 F32 = np.dtype(jnp.float32)
+CONV, DOT = "conv_general_dilated", "dot_general"
 
 
 def float_out_dtypes(eqns):
@@ -53,7 +56,230 @@ def dot_dtypes(eqns):
   ]
 
 
-# Linen.
+def products(jaxpr):
+  """``(primitive, input dtypes)`` of each matrix product and convolution."""
+  return [(e.primitive.name, tuple(np.dtype(v.aval.dtype) for v in e.invars))
+          for e in jaxpr.jaxpr.eqns if e.primitive.name in (CONV, DOT)]
+
+
+def after_each_product(jaxpr):
+  """For each matrix product or convolution, in order, the equations after it
+  and its bias add, up to the input conversions of the next one: what the
+  layers between two products (a LayerNorm, say) computed."""
+  eqns = jaxpr.jaxpr.eqns
+  products = [i for i, e in enumerate(eqns) if e.primitive.name in (CONV, DOT)]
+  segments = []
+  for start, end in zip(products, products[1:] + [len(eqns)]):
+    start = next(i for i in range(start, end) if eqns[i].primitive.name == "add") + 1
+    while end > start and eqns[end - 1].primitive.name == "convert_element_type":
+      end -= 1
+    segments.append(eqns[start:end])
+  return segments
+
+
+def assert_computes_in_float32(eqns, input_dtype):
+  """A LayerNorm that converts only its input and computes in float32: its
+  parameters are read straight from the float32 master copy."""
+  assert any(e.primitive.name == "rsqrt" for e in eqns)
+  converts = [e for e in eqns if e.primitive.name == "convert_element_type"]
+  assert [(np.dtype(e.invars[0].aval.dtype), e.params["new_dtype"]) for e in converts] == [
+      (input_dtype, F32)]
+  assert float_out_dtypes(eqns) == {F32}
+
+
+# Linen and NNX: each promise once, over both, with one model of each.
+
+
+class LinenBlock(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.LayerNorm(name="norm")(nn.Dense(3, name="dense")(x))
+
+
+class LinenNested(nn.Module):
+  """Two blocks (Dense, LayerNorm) and a head, named as NnxNested's attributes."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = LinenBlock(name="block1")(LinenBlock(name="block0")(x))
+    return nn.Dense(2, name="head")(x)
+
+
+class NnxBlock(nnx.Module):
+
+  def __init__(self, rngs):
+    self.dense = nnx.Linear(3, 3, rngs=rngs)
+    self.norm = nnx.LayerNorm(3, rngs=rngs)
+
+  def __call__(self, x):
+    return self.norm(self.dense(x))
+
+
+class NnxNested(nnx.Module):
+
+  def __init__(self, rngs):
+    self.block0 = NnxBlock(rngs)
+    self.block1 = NnxBlock(rngs)
+    self.head = nnx.Linear(3, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.block1(self.block0(x)))
+
+
+class DeclaredFloat32(nn.Module):
+  """Declares its dtype and passes it to every layer, as Flax's examples do."""
+
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Conv(4, (3, 3), dtype=self.dtype)(x)
+    x = nn.LayerNorm(dtype=self.dtype)(x)
+    x = x.reshape((x.shape[0], -1))
+    x = SetupBlock(dtype=self.dtype)(x)
+    return nn.Dense(3, dtype=self.dtype, name="head")(x)
+
+
+class SetupBlock(nn.Module):
+  """Builds its layer in setup, with the declared dtype."""
+
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    self.dense = nn.Dense(5, dtype=self.dtype)
+
+  def __call__(self, x):
+    return nn.relu(self.dense(x))
+
+
+class NnxDeclaredFloat32(nnx.Module):
+  """DeclaredFloat32 in NNX: every layer built with dtype=float32."""
+
+  def __init__(self, rngs):
+    f32 = jnp.float32
+    self.conv = nnx.Conv(3, 4, (3, 3), dtype=f32, rngs=rngs)
+    self.norm = nnx.LayerNorm(4, dtype=f32, rngs=rngs)
+    self.block = nnx.Linear(100, 5, dtype=f32, rngs=rngs)
+    self.head = nnx.Linear(5, 3, dtype=f32, rngs=rngs)
+
+  def __call__(self, x):
+    x = self.norm(self.conv(x))
+    x = nnx.relu(self.block(x.reshape((x.shape[0], -1))))
+    return self.head(x)
+
+
+class Traced(NamedTuple):
+  jaxpr: Any  # of the forward pass
+  grads: set  # the dtypes of the gradients
+  report: dict | None  # what set_nnx_dtypes set (NNX)
+
+
+def traced(forward, params, x):
+  """``forward(params, x)`` traced, and the dtypes of its gradients: nothing
+  runs or compiles."""
+  grads = jax.eval_shape(jax.grad(lambda p: forward(p, x).astype(F32).sum()), params)
+  return jax.make_jaxpr(forward)(params, x), {g.dtype for g in jax.tree_util.tree_leaves(grads)}
+
+
+class Linen:
+  """``policy.wrap_apply(model.apply)``; the model's own fields stay."""
+
+  LayerNorm, Block = nn.LayerNorm, LinenBlock
+  Nested, Declared = LinenNested, DeclaredFloat32
+
+  @staticmethod
+  def trace(model_class, policy, x):
+    model = model_class()
+    params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+    apply = policy.wrap_apply(model.apply)
+    return Traced(*traced(lambda p, x: apply({"params": p}, x), params, x), None)
+
+
+class Nnx:
+  """``policy.set_nnx_dtypes(model)``, which sets each layer's dtype."""
+
+  LayerNorm, Block = nnx.LayerNorm, NnxBlock
+  Nested, Declared = NnxNested, NnxDeclaredFloat32
+
+  @staticmethod
+  def trace(model_class, policy, x):
+    model = nnx.eval_shape(lambda: model_class(nnx.Rngs(0)))
+    report = policy.set_nnx_dtypes(model)
+    graphdef, params = nnx.split(model)
+    return Traced(*traced(lambda p, x: nnx.merge(graphdef, p)(x), params, x), report)
+
+
+FRAMEWORKS = {"linen": Linen, "nnx": Nnx}
+frameworks = pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+X = jnp.ones((2, 3))
+
+
+@frameworks
+def test_a_class_rule_keeps_the_layernorms_in_float32_and_the_dense_layers_in_bfloat16(
+    framework):
+  fw = FRAMEWORKS[framework]
+  policy = jaxmp.flax.ModulePolicy({fw.LayerNorm: "float32"}, default="mixed_bfloat16")
+  traced = fw.trace(fw.Nested, policy, X)
+  assert dot_dtypes(traced.jaxpr.jaxpr.eqns) == [(BF16, BF16)] * 3
+  norm0, norm1, _ = after_each_product(traced.jaxpr)
+  assert_computes_in_float32(norm0, BF16)  # the bfloat16 Dense's output
+  assert_computes_in_float32(norm1, BF16)
+  assert traced.grads == {F32}  # the master params' dtype
+  # The check discriminates: without the rule, the LayerNorms compute in bfloat16.
+  control = fw.trace(fw.Nested, jaxmp.flax.ModulePolicy({}, default="mixed_bfloat16"), X)
+  assert all(BF16 in float_out_dtypes(norm) for norm in after_each_product(control.jaxpr)[:2])
+  if framework == "linen":
+    assert traced.jaxpr.out_avals[0].dtype == F32  # the default policy's output dtype
+  else:  # what set_nnx_dtypes set
+    half, full = "p=f32,c=bf16,o=f32", "p=f32,c=f32,o=f32"
+    assert traced.report == {"block0/dense": half, "block0/norm": full,
+                             "block1/dense": half, "block1/norm": full, "head": half}
+
+
+@frameworks
+def test_rules_by_name_by_path_and_by_an_enclosing_block(framework):
+  fw = FRAMEWORKS[framework]
+
+  def traced(rules):
+    return fw.trace(fw.Nested, jaxmp.flax.ModulePolicy(rules, default="mixed_bfloat16"), X)
+
+  def dots(traced):  # of block0/dense, block1/dense, head
+    return dot_dtypes(traced.jaxpr.jaxpr.eqns)
+
+  half, full = (BF16, BF16), (F32, F32)
+  by_name = traced({"head": "float32"})
+  assert dots(by_name) == [half, half, full]
+  assert dots(traced({"block1/dense": "float32"})) == [half, full, half]
+  # A block forced to float32 forces what is inside it, by its name or class.
+  by_block = traced({"block0": "float32"})
+  assert dots(by_block) == [full, half, half]
+  assert float_out_dtypes(after_each_product(by_block.jaxpr)[0]) == {F32}  # its LayerNorm
+  assert dots(traced({fw.Block: "float32"})) == [full, full, half]
+  if framework == "nnx":  # what set_nnx_dtypes set
+    assert by_name.report["head"] == "p=f32,c=f32,o=f32"
+    assert by_name.report["block1/dense"] == "p=f32,c=bf16,o=f32"
+
+
+@frameworks
+def test_layers_built_with_float32_compute_in_float16_but_a_float32_rule_holds(framework):
+  """override_dtype (Linen; NNX always overrides): every conv and matmul of a
+  model whose layers declare dtype=float32 runs in float16, the LayerNorm
+  kept in float32 by its rule computes in float32, the master params stay."""
+  fw = FRAMEWORKS[framework]
+  x = jnp.ones((2, 5, 5, 3))
+  plain = fw.trace(fw.Declared, jaxmp.flax.ModulePolicy({}, default=None), x)
+  assert {dtypes for _, dtypes in products(plain.jaxpr)} == {(F32, F32)}
+  policy = jaxmp.flax.ModulePolicy({fw.LayerNorm: "float32"}, default="mixed_float16",
+                                   override_dtype=True)
+  traced = fw.trace(fw.Declared, policy, x)
+  assert products(traced.jaxpr) == [(CONV, (F16, F16)), (DOT, (F16, F16)), (DOT, (F16, F16))]
+  norm, _, _ = after_each_product(traced.jaxpr)
+  assert_computes_in_float32(norm, F16)  # only its float16 input is converted
+  assert traced.grads == {F32}
+
+
+# Linen only.
 
 
 class LinenNet(nn.Module):
@@ -65,75 +291,11 @@ class LinenNet(nn.Module):
     return nn.Dense(4)(x)
 
 
-class LinenBlock(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):
-    return nn.LayerNorm()(nn.Dense(8)(x))
-
-
-class LinenNested(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):
-    x = LinenBlock()(x)
-    x = LinenBlock()(x)
-    return nn.Dense(2, name="head")(x)
-
-
 def linen_jaxpr(model, policy, x=None):
   x = jnp.ones((2, 3)) if x is None else x
   variables = jax.jit(model.init)(jax.random.key(0), x)
   apply = policy.wrap_apply(model.apply)
   return jax.make_jaxpr(apply)(variables, x), apply, variables
-
-
-def test_linen_layernorm_in_float32_dense_in_bfloat16():
-  policy = jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"},
-                                   default="mixed_bfloat16")
-  jaxpr, apply, variables = linen_jaxpr(LinenNet(), policy)
-  norm = eqns_of(jaxpr, "LayerNorm_0")
-  assert norm and float_out_dtypes(norm) == {F32}
-  assert any(e.primitive.name == "rsqrt" for e in norm)
-  # The only conversion in the LayerNorm is of its bfloat16 input: its
-  # parameters are read straight from the float32 master copy.
-  converts = [e for e in norm if e.primitive.name == "convert_element_type"]
-  assert [(np.dtype(e.invars[0].aval.dtype), e.params["new_dtype"]) for e in converts] == [(BF16, F32)]
-  for name in ("Dense_0", "Dense_1"):
-    assert dot_dtypes(eqns_of(jaxpr, name)) == [(BF16, BF16)]
-  out = apply(variables, jnp.ones((2, 3)))
-  assert out.dtype == F32  # the default policy's output dtype
-  grads = jax.jit(jax.grad(lambda p: apply({"params": p}, jnp.ones((2, 3))).sum()))(
-      variables["params"])
-  assert set(jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda g: g.dtype, grads))) == {F32}
-
-
-def test_linen_control_without_rule_layernorm_is_bfloat16():
-  # The check above discriminates: without the rule, LayerNorm yields bfloat16.
-  policy = jaxmp.flax.ModulePolicy({}, default="mixed_bfloat16")
-  jaxpr, _, _ = linen_jaxpr(LinenNet(), policy)
-  assert BF16 in float_out_dtypes(eqns_of(jaxpr, "LayerNorm_0"))
-
-
-def test_linen_rule_by_name_and_by_path_and_inheritance():
-  x = jnp.ones((2, 3))
-  by_name = jaxmp.flax.ModulePolicy({"head": "float32"}, default="mixed_bfloat16")
-  jaxpr, _, _ = linen_jaxpr(LinenNested(), by_name, x)
-  assert dot_dtypes(eqns_of(jaxpr, "head")) == [(F32, F32)]
-  assert dot_dtypes(eqns_of(jaxpr, "LinenBlock_0")) == [(BF16, BF16)]
-
-  by_path = jaxmp.flax.ModulePolicy({"LinenBlock_1/Dense_0": "float32"},
-                                    default="mixed_bfloat16")
-  jaxpr, _, _ = linen_jaxpr(LinenNested(), by_path, x)
-  assert dot_dtypes(eqns_of(jaxpr, "LinenBlock_0")) == [(BF16, BF16)]
-  assert dot_dtypes(eqns_of(jaxpr, "LinenBlock_1")) == [(F32, F32)]
-
-  # A block forced to float32 forces what is inside it.
-  by_block = jaxmp.flax.ModulePolicy({"LinenBlock_0": "float32"},
-                                     default="mixed_bfloat16")
-  jaxpr, _, _ = linen_jaxpr(LinenNested(), by_block, x)
-  assert float_out_dtypes(eqns_of(jaxpr, "LinenBlock_0")) == {F32}
-  assert dot_dtypes(eqns_of(jaxpr, "LinenBlock_1")) == [(BF16, BF16)]
 
 
 def test_linen_overlap_raises_unless_first_match():
@@ -251,32 +413,6 @@ def test_jit_hashable_and_str():
 # The model's own dtype: override_dtype.
 
 
-class DeclaredFloat32(nn.Module):
-  """Declares its dtype and passes it to every layer, as Flax's examples do."""
-
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.Conv(4, (3, 3), dtype=self.dtype)(x)
-    x = nn.LayerNorm(dtype=self.dtype)(x)
-    x = x.reshape((x.shape[0], -1))
-    x = SetupBlock(dtype=self.dtype)(x)
-    return nn.Dense(3, dtype=self.dtype, name="head")(x)
-
-
-class SetupBlock(nn.Module):
-  """Builds its layer in setup, with the declared dtype."""
-
-  dtype: Any = jnp.float32
-
-  def setup(self):
-    self.dense = nn.Dense(5, dtype=self.dtype)
-
-  def __call__(self, x):
-    return nn.relu(self.dense(x))
-
-
 @functools.cache
 def declared_model():
   model = DeclaredFloat32()
@@ -292,8 +428,6 @@ def forward_and_backward(policy, model, variables, x):
 
   return jax.value_and_grad(loss), variables["params"]
 
-
-CONV, DOT = "conv_general_dilated", "dot_general"
 
 
 def output_dtypes(policy, model, variables, x):
@@ -342,21 +476,6 @@ def test_override_dtype_makes_every_conv_and_matmul_float16():
   assert {p.dtype for p in jax.tree_util.tree_leaves(grads)} == {F32}
   assert model.dtype is jnp.float32
   assert input_dtypes(model.apply, variables, x) == {"float32"}  # without the policy
-
-
-def test_override_dtype_keeps_a_float32_rule_in_float32():
-  model, x, variables = declared_model()
-  policy = jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_float16",
-                                   override_dtype=True)
-  apply = policy.wrap_apply(model.apply)
-  norm = eqns_of(jax.make_jaxpr(apply)(variables, x), "LayerNorm_0")
-  assert any(e.primitive.name == "rsqrt" for e in norm)
-  converts = [e for e in norm if e.primitive.name == "convert_element_type"]
-  # Only its float16 input is converted; it computes and returns float32.
-  assert [(np.dtype(e.invars[0].aval.dtype), e.params["new_dtype"]) for e in converts] == [
-      (F16, F32)]
-  assert float_out_dtypes(norm) == {F32}
-  assert input_dtypes(apply, variables, x) == {"float16"}
 
 
 def test_override_dtype_for_chosen_classes_only():
@@ -546,120 +665,3 @@ def test_no_field_of_a_bound_module_changes(policy, make_model, method):
     assert any(f.get("dot_general_cls") is not None for _, f in seen)
   else:
     assert {np.dtype(f["dtype"]) for m, f in seen if isinstance(m, nn.Dense)} == {F16}
-
-
-# NNX.
-
-
-class NnxNet(nnx.Module):
-
-  def __init__(self, rngs):
-    self.dense1 = nnx.Linear(3, 8, rngs=rngs)
-    self.norm = nnx.LayerNorm(8, rngs=rngs)
-    self.dense2 = nnx.Linear(8, 4, rngs=rngs)
-
-  def __call__(self, x):
-    return self.dense2(self.norm(self.dense1(x)))
-
-
-class NnxBlock(nnx.Module):
-
-  def __init__(self, rngs):
-    self.dense = nnx.Linear(3, 3, rngs=rngs)
-
-  def __call__(self, x):
-    return self.dense(x)
-
-
-class NnxNested(nnx.Module):
-
-  def __init__(self, rngs):
-    self.block = NnxBlock(rngs)
-    self.head = nnx.Linear(3, 2, rngs=rngs)
-
-  def __call__(self, x):
-    return self.head(self.block(x))
-
-
-def nnx_jaxpr(model, x):
-  return jax.make_jaxpr(lambda x: model(x))(x)
-
-
-def between_dots(jaxpr):
-  """The equations after the first product's bias add, before the second's."""
-  eqns = jaxpr.jaxpr.eqns
-  dots = [i for i, e in enumerate(eqns) if e.primitive.name == "dot_general"]
-  assert len(dots) == 2
-  start = next(i for i in range(dots[0], dots[1]) if eqns[i].primitive.name == "add") + 1
-  end = dots[1]
-  while eqns[end - 1].primitive.name == "convert_element_type":
-    end -= 1
-  return eqns[start:end]
-
-
-def test_nnx_layernorm_in_float32_dense_in_bfloat16():
-  model = NnxNet(nnx.Rngs(0))
-  policy = jaxmp.flax.ModulePolicy({nnx.LayerNorm: "float32"}, default="mixed_bfloat16")
-  assert policy.set_nnx_dtypes(model) == {
-      "dense1": "p=f32,c=bf16,o=f32",
-      "dense2": "p=f32,c=bf16,o=f32",
-      "norm": "p=f32,c=f32,o=f32",
-  }
-  assert model.norm.dtype == F32 and model.dense1.dtype == BF16
-  x = jnp.ones((2, 3))
-  jaxpr = nnx_jaxpr(model, x)
-  assert dot_dtypes(jaxpr.jaxpr.eqns) == [(BF16, BF16), (BF16, BF16)]
-  norm = between_dots(jaxpr)
-  assert any(e.primitive.name == "rsqrt" for e in norm)
-  # After converting its bfloat16 input, the LayerNorm computes in float32.
-  assert norm[0].primitive.name == "convert_element_type"
-  assert float_out_dtypes(norm[1:]) == {F32}
-  # The LayerNorm on its own, fed bfloat16, computes in float32 throughout.
-  alone = jax.make_jaxpr(lambda h: model.norm(h))(jnp.ones((2, 8), BF16))
-  assert float_out_dtypes(alone.jaxpr.eqns) == {F32}
-  # Parameters keep their float32 master dtype.
-  dtypes = {p.dtype for p in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))}
-  assert dtypes == {F32}
-
-
-def test_nnx_control_without_rule_layernorm_is_bfloat16():
-  model = NnxNet(nnx.Rngs(0))
-  jaxmp.flax.ModulePolicy({}, default="mixed_bfloat16").set_nnx_dtypes(model)
-  assert BF16 in float_out_dtypes(between_dots(nnx_jaxpr(model, jnp.ones((2, 3)))))
-
-
-def test_nnx_rules_by_name_path_and_inheritance():
-  model = NnxNested(nnx.Rngs(0))
-  policy = jaxmp.flax.ModulePolicy({"head": "float32"}, default="mixed_bfloat16")
-  assert policy.set_nnx_dtypes(model) == {
-      "block/dense": "p=f32,c=bf16,o=f32", "head": "p=f32,c=f32,o=f32"}
-  assert dot_dtypes(nnx_jaxpr(model, jnp.ones((1, 3))).jaxpr.eqns) == [
-      (BF16, BF16), (F32, F32)]
-  model = NnxNested(nnx.Rngs(0))
-  jaxmp.flax.ModulePolicy({"block/dense": "float32"}, default="bf16").set_nnx_dtypes(model)
-  assert (model.block.dense.dtype, model.head.dtype) == (F32, BF16)
-  model = NnxNested(nnx.Rngs(0))  # inherited from the enclosing block
-  jaxmp.flax.ModulePolicy({NnxBlock: "float32"}, default="bf16").set_nnx_dtypes(model)
-  assert (model.block.dense.dtype, model.head.dtype) == (F32, BF16)
-
-
-def test_nnx_layers_built_with_float32_dtype_are_overridden():
-
-  class Declared(nnx.Module):
-
-    def __init__(self, rngs):
-      self.conv = nnx.Conv(3, 4, (3, 3), dtype=jnp.float32, rngs=rngs)
-      self.norm = nnx.LayerNorm(4, dtype=jnp.float32, rngs=rngs)
-      self.head = nnx.Linear(4, 2, dtype=jnp.float32, rngs=rngs)
-
-    def __call__(self, x):
-      return self.head(self.norm(self.conv(x)).mean(axis=(1, 2)))
-
-  model = Declared(nnx.Rngs(0))
-  x = jnp.ones((2, 5, 5, 3))
-  assert input_dtypes(lambda x: model(x), x) == {"float32"}
-  jaxmp.flax.ModulePolicy({nnx.LayerNorm: "float32"}, default="mixed_float16").set_nnx_dtypes(model)
-  assert matmul_dtypes(lambda x: model(x), x) == [
-      ("conv_general_dilated", ("float16", "float16")), ("dot_general", ("float16", "float16"))]
-  assert model.norm.dtype is jnp.float32 and model.head.dtype is jnp.float16
-  assert {p.dtype for p in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))} == {F32}

@@ -1,6 +1,7 @@
 """A skipped step (jaxmp.loss_scaling's guard), guarding other state on a skip
 (jaxmp.keep_on_skip) and retrying a skipped batch (jaxmp.retry_skipped), each
-promise tested once over plain optax, a Linen TrainState, NNX and Equinox."""
+promise tested once over plain optax, a Linen TrainState, NNX and Equinox (a
+real BatchNorm's statistics over Linen and NNX)."""
 
 import re
 from typing import Any
@@ -16,6 +17,7 @@ from flax import nnx
 
 import jaxmp
 import jaxmp.flax
+from models import LinenBatchNormMLP, NnxBatchNormMLP, classification_batch
 
 F16 = jnp.float16
 # The fp16 backward pass computes scale * x * cos(w): with x = 6 it is over
@@ -329,8 +331,8 @@ def test_a_skipped_step_changes_no_array_and_a_finite_step_moves_every_one(name)
   assert hysteresis_left == [2, 1, 2, 1, 2, 1, 1, 2]
   assert scales == [2.0**8] * 6 + [2.0**7] * 2
   assert metrics(state)["skipped_steps"] == 4
-  if name == "nnx":
-    assert int(state[1].step[...]) == len(inputs)  # nnx.Optimizer counts calls
+  if name in ("linen", "nnx"):  # a TrainState and an nnx.Optimizer count calls
+    assert int(state.step if name == "linen" else state[1].step[...]) == len(inputs)
 
 
 # -- keep_on_skip -------------------------------------------------------------------
@@ -364,6 +366,144 @@ def test_keep_on_skip_refuses_a_new_value_of_another_structure():
   with pytest.raises(ValueError, match="structure"):
     jaxmp.keep_on_skip(_skipped_state(lambda tx: tx), {"a": jnp.zeros(2)},
                        {"a": jnp.zeros(2), "b": jnp.zeros(2)})
+
+
+# -- BatchNorm statistics, Linen and NNX ---------------------------------------------
+
+
+class BatchStatsState(jaxmp.flax.TrainState):
+  batch_stats: Any
+
+
+def cross_entropy(logits, y):
+  return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y).mean()
+
+
+class LinenBatchNorm:
+  """The Flax recipe: the new statistics go to ``apply_gradients``, which
+  keeps the old ones on a skipped step."""
+
+  def init(self):
+    model = LinenBatchNormMLP()
+    variables = model.init(KEY, jnp.ones((1, 4)), train=False)
+    return BatchStatsState.create(
+        apply_fn=model.apply, params=variables["params"], tx=optax.adam(1e-2),
+        policy="mixed_float16", loss_scale=jaxmp.DynamicLossScale(2.0**8),
+        batch_stats=variables["batch_stats"])
+
+  @staticmethod
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(state, x, y):
+    """``(state, the statistics the forward pass computed)``."""
+
+    def loss_fn(params, x, y):
+      logits, updates = state.apply_fn(
+          {"params": params, "batch_stats": state.batch_stats}, x, train=True,
+          mutable=["batch_stats"])
+      return cross_entropy(logits, y), updates["batch_stats"]
+
+    (_, computed), grads = state.value_and_grad(loss_fn, has_aux=True)(state.params, x, y)
+    return state.apply_gradients(grads=grads, batch_stats=computed), computed
+
+  def params_and_stats(self, state):
+    return state.params, state.batch_stats
+
+  def steps(self, state):
+    return int(state.step)
+
+  def evaluate(self, state, x):  # on the running averages
+    return state.apply_fn({"params": state.params, "batch_stats": state.batch_stats},
+                          x, train=False)
+
+
+class NnxBatchNorm:
+  """The layers update their BatchStat variables in place: a copy taken
+  before the step is written back by keep_on_skip."""
+
+  def init(self):
+    model = NnxBatchNormMLP(nnx.Rngs(0))
+    jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
+    return model, nnx.Optimizer(
+        model, jaxmp.loss_scaling(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**8)),
+        wrt=nnx.Param)
+
+  @staticmethod
+  @nnx.jit
+  @chex.assert_max_traces(n=1)
+  def step(objects, x, y):
+    model, optimizer = objects
+    old = jax.tree_util.tree_map(lambda v: v, nnx.state(model, nnx.BatchStat))
+    _, grads = jaxmp.scaled_value_and_grad(
+        lambda model: cross_entropy(model(x.astype(F16)), y),
+        jaxmp.get_loss_scale(optimizer.opt_state), value_and_grad=nnx.value_and_grad)(model)
+    optimizer.update(model, grads)
+    computed = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
+    nnx.update(model, jaxmp.keep_on_skip(
+        optimizer.opt_state, nnx.state(model, nnx.BatchStat), old))
+    return objects, computed
+
+  def params_and_stats(self, objects):
+    model = objects[0]
+    return tuple(nnx.to_pure_dict(nnx.state(model, kind)) for kind in (nnx.Param, nnx.BatchStat))
+
+  def steps(self, objects):
+    return int(objects[1].step[...])  # nnx.Optimizer counts calls
+
+  def evaluate(self, objects, x):
+    model = objects[0]
+    model.eval()
+    logits = model(x)
+    model.train()
+    return logits
+
+
+BATCH_NORMS = {"linen": LinenBatchNorm(), "nnx": NnxBatchNorm()}
+
+
+def bits(tree):
+  """Each leaf's dtype and bytes by path: equal only if bit-identical."""
+  return {jax.tree_util.keystr(path): (np.asarray(leaf).dtype, np.asarray(leaf).tobytes())
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.mark.parametrize("framework", sorted(BATCH_NORMS))
+def test_a_skipped_step_keeps_the_batch_statistics_bit_identical_and_a_finite_one_writes_them(
+    framework):
+  """Jitted only (and traced once): eagerly the same jnp.where runs, op by op
+  (a TrainState field kept eagerly: test_flax_train_state.py::
+  test_apply_gradients_keeps_the_fields_dtypes_and_replaces_static_ones)."""
+  fw = BATCH_NORMS[framework]
+  x, y = classification_batch()
+  state, _ = fw.step(fw.init(), x, y)
+  params_before, stats_before = fw.params_and_stats(state)
+  params_bits, stats_bits = bits(params_before), bits(stats_before)
+  # One inf pixel: the statistics the forward pass computes are poisoned and
+  # the step is skipped.
+  state, poisoned = fw.step(state, x.at[0, 0].set(jnp.inf), y)
+  assert not jaxmp.all_finite(poisoned)
+  assert metrics(state)["skipped_steps"] == 1 and fw.steps(state) == 2
+  params, stats = fw.params_and_stats(state)
+  assert bits(stats) == stats_bits and bits(params) == params_bits
+  assert jaxmp.all_finite(fw.evaluate(state, x))
+  # A finite step writes exactly the statistics the model computed, and
+  # moves every parameter.
+  state, computed = fw.step(state, x, y)
+  assert metrics(state)["last_finite"]
+  params, stats = fw.params_and_stats(state)
+  assert bits(stats) == bits(computed)
+  changed = jax.tree_util.tree_map(lambda a, b: bool(jnp.any(a != b)),
+                                   (params, stats), (params_before, stats_before))
+  assert all(jax.tree_util.tree_leaves(changed))
+
+
+def test_keep_on_skip_refuses_the_models_own_variables_as_the_old_value():
+  # nnx.state returns the model's Variables, which the forward pass updates
+  # in place: taken before the step as `old`, they would keep nothing.
+  model, optimizer = NnxBatchNorm().init()
+  live = nnx.state(model, nnx.BatchStat)
+  with pytest.raises(ValueError, match="Take a copy before the step"):
+    jaxmp.keep_on_skip(optimizer.opt_state, nnx.state(model, nnx.BatchStat), live)
 
 
 # -- Refusals and several devices ----------------------------------------------------
