@@ -24,7 +24,7 @@ F32 = np.dtype(jnp.float32)
 def make_state(policy="mixed_float16", loss_scale=None, tx=None, **kwargs):
   model = MLP()
   x = jnp.ones((1, 4))
-  params = model.init(jax.random.key(0), x)["params"]
+  params = jax.jit(model.init)(jax.random.key(0), x)["params"]
   if loss_scale is None:
     loss_scale = jaxmp.DynamicLossScale(2.0**8, period=100)
   return jaxmp.flax.TrainState.create(
@@ -95,7 +95,7 @@ def test_value_and_grad_runs_under_policy_and_returns_scaled_grads():
     seen["logits"] = logits.dtype
     return jnp.mean(logits ** 2)
 
-  value, grads = state.value_and_grad(loss)(state.params, x, y)
+  value, grads = jax.jit(state.value_and_grad(loss))(state.params, x, y)
   # The batch comes as it is; apply_fn casts the model's inputs and outputs.
   assert seen == {"params": {F16}, "x": F32, "y": np.dtype(jnp.int32), "logits": F32}
   assert value.dtype == F32  # cast to the output dtype
@@ -106,8 +106,8 @@ def test_value_and_grad_runs_under_policy_and_returns_scaled_grads():
         x.astype(F16)).astype(F32)
     return jnp.mean(out ** 2)
 
-  expected_value, expected_grads = jaxmp.scaled_value_and_grad(
-      manual, jaxmp.StaticLossScale(64.0))(state.params)
+  expected_value, expected_grads = jax.jit(jaxmp.scaled_value_and_grad(
+      manual, jaxmp.StaticLossScale(64.0)))(state.params)
   chex.assert_trees_all_equal(value, expected_value)
   chex.assert_trees_all_equal(grads, expected_grads)
   assert {g.dtype for g in jax.tree_util.tree_leaves(grads)} == {F32}
@@ -125,9 +125,9 @@ def test_float_targets_are_not_rounded_to_the_compute_dtype():
     return jnp.mean((state.apply_fn({"params": params}, x) - y) ** 2)
 
   seen = {}
-  value, grads = state.value_and_grad(loss)(state.params, x, y)
+  value, grads = jax.jit(state.value_and_grad(loss))(state.params, x, y)
   assert seen["y"] == F32
-  want = loss(jaxmp.get_policy("mixed_float16").cast_to_compute(state.params), x, y)
+  want = jax.jit(loss)(jaxmp.get_policy("mixed_float16").cast_to_compute(state.params), x, y)
   assert value.dtype == F32 and float(value) == float(want)
   assert jaxmp.all_finite(grads)
 

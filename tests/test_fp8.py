@@ -47,7 +47,7 @@ def _setup(policy="p=f32,c=bf16,o=f32,dot=fp8,amax_history=4", loss_scale=None,
   module_policy = (policy if isinstance(policy, jaxmp.flax.ModulePolicy)
                    else jaxmp.flax.ModulePolicy({}, default=policy))
   x, _ = _batch()
-  variables = module_policy.wrap_apply(model.init)(jax.random.key(0), x)
+  variables = jax.jit(module_policy.wrap_apply(model.init))(jax.random.key(0), x)
   state = jaxmp.flax.TrainState.create(
       apply_fn=model.apply, params=variables,
       tx=tx or optax.adam(1e-2), policy=policy,
@@ -92,7 +92,7 @@ def test_dense_layers_run_in_fp8_and_the_rest_in_bf16():
   model = nn.Sequential([nn.Dense(8), nn.LayerNorm(), nn.Dense(4)])
   policy = jaxmp.flax.ModulePolicy({"layers_2": "mixed_bfloat16"}, default="mixed_fp8")
   x = jnp.ones((2, 3))
-  variables = policy.wrap_apply(model.init)(jax.random.key(0), x)
+  variables = jax.eval_shape(policy.wrap_apply(model.init), jax.random.key(0), x)
   assert list(variables[META]) == ["layers_0"]  # the head has no FP8 meta
   assert set(variables[META]["layers_0"][OP]) == {
       f"{t}_{k}" for t in ("input", "kernel", "output_grad")
@@ -103,7 +103,7 @@ def test_dense_layers_run_in_fp8_and_the_rest_in_bf16():
   loss = lambda v: jnp.sum(apply(v, x))
   backward = {d for _, d in matmul_dtypes(jax.grad(loss), variables)}
   assert ("float8_e5m2", "float8_e4m3fn") in backward  # the input gradient
-  assert apply(variables, x).dtype == jnp.float32  # the default's output dtype
+  assert jax.eval_shape(apply, variables, x).dtype == jnp.float32  # the default's output
 
 
 def test_an_einsum_kept_out_of_fp8_by_a_rule_and_the_params_of_the_plain_model():
@@ -125,7 +125,7 @@ def test_an_einsum_kept_out_of_fp8_by_a_rule_and_the_params_of_the_plain_model()
       model=model, policy=jaxmp.flax.ModulePolicy({nn.Einsum: "mixed_bfloat16"},
                                                   default=policy))
   chex.assert_trees_all_equal(variables["params"],
-                              model.init(jax.random.key(0), x)["params"])
+                              jax.jit(model.init)(jax.random.key(0), x)["params"])
   assert sorted(variables[META]) == ["Dense_0", "Dense_1"]
   apply = module_policy.wrap_apply(model.apply)
   assert [d for _, d in matmul_dtypes(apply, variables, x)] == [
@@ -145,16 +145,20 @@ def test_finite_step_meta_is_flax_rule_on_unscaled_gradients():
   new_state, _ = jax.jit(_step)(state, x, y)
   assert int(new_state.metrics["skipped_steps"]) == 0
 
-  apply = policy.wrap_apply(model.apply)  # Flax's own pattern: grad of all
-  grads = jax.jit(jax.grad(lambda v: _mse_of(apply(v, x), y)))(variables)
-  tx = optax.adam(1e-2)
-  updates, _ = tx.update(grads["params"], tx.init(variables["params"]),
-                         variables["params"])
-  chex.assert_trees_all_equal(new_state.params[META], grads[META])
+  apply = policy.wrap_apply(model.apply)
+
+  @jax.jit
+  def flax_step(variables):  # Flax's own pattern: grad of all, Adam at scale 1
+    grads = jax.grad(lambda v: _mse_of(apply(v, x), y))(variables)
+    tx = optax.adam(1e-2)
+    updates, _ = tx.update(grads["params"], tx.init(variables["params"]),
+                           variables["params"])
+    return grads[META], optax.apply_updates(variables["params"], updates)
+
+  meta, params = flax_step(variables)
+  chex.assert_trees_all_equal(new_state.params[META], meta)
   # The params agree to the last bit or so (XLA fuses Adam differently).
-  chex.assert_trees_all_close(
-      new_state.params["params"], optax.apply_updates(variables["params"], updates),
-      rtol=1e-6, atol=1e-8)
+  chex.assert_trees_all_close(new_state.params["params"], params, rtol=1e-6, atol=1e-8)
   history = new_state.params[META]["Dense_1"][OP]["output_grad_amax_history"]
   assert 0 < float(history[0]) < 1  # unscaled: not 2**12 times the gradient
 
@@ -356,7 +360,7 @@ def _lm_losses(policy_name, steps, seed=0):
   starts = rng.integers(0, len(text) - 33, size=(steps, 8))
   batches = jnp.asarray(text[starts[..., None] + np.arange(33)], jnp.int32)
   policy = jaxmp.flax.ModulePolicy({}, default=policy_name)
-  variables = policy.wrap_apply(model.init)(jax.random.key(seed), batches[0, :, :-1])
+  variables = jax.jit(policy.wrap_apply(model.init))(jax.random.key(seed), batches[0, :, :-1])
   state = jaxmp.flax.TrainState.create(
       apply_fn=model.apply, params=variables, tx=optax.adam(3e-3), policy=policy)
 

@@ -612,7 +612,7 @@ def test_a_module_given_the_policys_dtype_keeps_its_variables_and_rngs():
   chex.assert_trees_all_equal(run_every_binding(policy), run_every_binding(None))
   half = jaxmp.flax.ModulePolicy({}, default="mixed_bfloat16", override_dtype=True)
   model, tokens = EveryBinding(), jnp.ones((2, 3), jnp.int32)
-  variables = model.init(jax.random.key(0), tokens)
+  variables = jax.eval_shape(model.init, jax.random.key(0), tokens)  # traced only
   assert {d for _, d in matmul_dtypes(functools.partial(
       half.wrap_apply(model.apply), mutable=["batch_stats"],
       rngs={"dropout": jax.random.key(2)}), variables, tokens)} == {
@@ -639,7 +639,7 @@ def test_no_field_of_a_bound_module_changes(policy, make_model, method):
   """The model's code never sees one of its modules with other fields than
   it was built with: the policy's dtype and FP8 op reach a copy."""
   model, x, _ = make_model()
-  variables = policy.wrap_apply(model.init)(jax.random.key(0), x)
+  variables = jax.eval_shape(policy.wrap_apply(model.init), jax.random.key(0), x)
   built, seen = {}, []
 
   def outside(next_fun, args, kwargs, context):  # as the model's code made it

@@ -237,7 +237,7 @@ Y = jax.random.randint(jax.random.key(1), (8,), 0, 3)
 
 def linen_state(dtype=None, policy="mixed_float16"):
   model = MLP(dtype=dtype)
-  params = model.init(jax.random.key(0), X)["params"]
+  params = jax.jit(model.init)(jax.random.key(0), X)["params"]
   return jaxmp.flax.TrainState.create(
       apply_fn=model.apply, params=params, tx=optax.sgd(0.1), policy=policy), model
 
@@ -351,7 +351,7 @@ class Translator(nn.Module):
     reason="as in Flax's WMT example, the float32 position table meets the bfloat16 embeddings")
 def test_a_wmt_style_step_blames_the_declared_dtype_not_the_key_nor_the_tokens():
   tokens = jnp.array([[1, 2, 3, 0], [4, 5, 0, 0]])
-  params = Translator().init(jax.random.key(0), tokens)["params"]
+  params = jax.jit(Translator().init)(jax.random.key(0), tokens)["params"]
   # As in the WMT example: the state holds the evaluation model, and the loss
   # calls the training one, capturing the tokens and the dropout key.
   state = jaxmp.flax.TrainState.create(
@@ -452,7 +452,7 @@ def test_float32_on_purpose_under_a_rule_does_not_warn(kind):
       return nn.Dense(512, name="head")(x)
 
   model = Wide()
-  params = model.init(jax.random.key(0), X)["params"]
+  params = jax.jit(model.init)(jax.random.key(0), X)["params"]
   policy = {
       "module_policy": jaxmp.flax.ModulePolicy({"head": "float32"}, default="mixed_float16"),
       "path_policy": jaxmp.PathPolicy({"head": "float32"}, default="mixed_float16"),
