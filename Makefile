@@ -41,10 +41,8 @@ bench: $(VENV)/.installed-examples
 test: $(VENV)/.installed-test
 	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
 
-# The unit tier and the doctests, about a minute of tests on two cores once
-# JAX's compilation cache (.pytest_cache/jax-compilation-cache) is warm (the
-# first run, which compiles everything: about 2 min): run it before every
-# commit.
+# The unit tier and the doctests (CONTRIBUTING.md gives the measured times
+# and where they go): run it before every commit.
 test-fast: $(VENV)/.installed-test
 	$(PY) -m pytest -n 2 -m "not integration" $(PYTEST_ARGS)
 
