@@ -524,15 +524,43 @@ def test_training_args_fill_in_enabled_auto(form):
   text = HF_ARGS.read_text(encoding="utf-8")
   training_args = {
       "dict": json.loads(text), "json": text, "path": HF_ARGS,
-      # A Trainer command line: the flags not read are left.
-      "flags": ["--output_dir", "out", "--bf16", "--learning_rate", "2e-4",
-                "--max_grad_norm=1.0", "--do_train"],
+      "flags": ["--bf16", "--learning_rate", "2e-4", "--max_grad_norm=1.0"],
   }[form]
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # "auto" is resolved: no warning
     policy, loss_scale = jaxmp.from_deepspeed_config(HF_BF16, training_args=training_args)
   assert policy == jaxmp.get_policy("mixed_bfloat16")
   assert isinstance(loss_scale, jaxmp.NoOpLossScale)
+
+
+def test_a_trainer_flag_that_is_not_read_warns_by_name():
+  with pytest.warns(UserWarning, match=r"--output_dir, --do_train not read"):
+    policy, _ = jaxmp.from_deepspeed_config(
+        {}, training_args=["--output_dir", "out", "--bf16", "--do_train"])
+  assert policy == jaxmp.get_policy("mixed_bfloat16")
+
+
+# The command line and the dict are read by one parser: the same arguments
+# give the same result, or the same refusal.
+@pytest.mark.parametrize("config, flags, values, expected", [
+    ({"fp16": {"enabled": "auto"}}, ["--fp16_full_eval"], {"fp16_full_eval": True},
+     "mixed_float16"),
+    ({"bf16": {"enabled": "auto"}}, ["--bf16-full-eval", "true"],
+     {"bf16_full_eval": True}, "mixed_bfloat16"),
+    ({"fp16": {"enabled": "auto"}}, ["--fp16", "--half_precision_backend", "apex"],
+     {"fp16": True, "half_precision_backend": "apex"}, ValueError),
+    ({}, ["--fp16", "--fp16_backend", "apex"], {"fp16": True, "fp16_backend": "apex"},
+     ValueError),
+])
+def test_the_trainer_s_command_line_and_dict_give_the_same_result(
+    config, flags, values, expected):
+  for training_args in (flags, values):
+    if expected is ValueError:
+      with pytest.raises(ValueError, match="apex"):
+        jaxmp.from_deepspeed_config(config, training_args=training_args)
+    else:
+      policy, _ = jaxmp.from_deepspeed_config(config, training_args=training_args)
+      assert policy == jaxmp.get_policy(expected)
 
 
 def test_the_trainer_s_fp16_keeps_the_config_s_loss_scale():

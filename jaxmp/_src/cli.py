@@ -52,7 +52,6 @@ def _run_convert(args: argparse.Namespace) -> int:
 
   from jaxmp._src.codegen import deepspeed_config_to_code  # pylint: disable=g-import-not-at-top
   from jaxmp._src.deepspeed import (  # pylint: disable=g-import-not-at-top
-      TRAINER_FLAGS,
       load_deepspeed_config,
       parse_deepspeed_json,
   )
@@ -73,8 +72,9 @@ def _run_convert(args: argparse.Namespace) -> int:
         training_args = load_deepspeed_config(
             args.training_args, "the Trainer's arguments")
         source += f" with the Trainer's arguments {args.training_args}"
-      flags = {name: getattr(args, name) for name in TRAINER_FLAGS
-               if getattr(args, name) is not None}
+      flags = {name: value for name, value in vars(args).items()
+               if name not in ("command", "config", "training_args")
+               and value is not None}
       if flags:
         training_args = {**(training_args or {}), **flags}
         source += " and " if args.training_args else " with "

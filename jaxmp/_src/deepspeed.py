@@ -28,7 +28,8 @@ from jaxmp._src.loss_scale import (
     StaticLossScale,
 )
 from jaxmp._src.policy import Policy, get_policy
-from jaxmp._src.validation import check_bool, check_number, listing
+from jaxmp._src.validation import (
+    caller_stacklevel, check_bool, check_number, listing)
 
 # DeepSpeed's defaults for the fp16 block (its precision config).
 DEEPSPEED_FP16_DEFAULTS = {
@@ -447,8 +448,8 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "adam_epsilon": 1e-8,
     "weight_decay": 0.0,
 }
-# The Trainer's command-line flags that are read (also by `jaxmp convert`).
-TRAINER_FLAGS = ("fp16", "bf16", "max_grad_norm", "gradient_accumulation_steps")
+# Read for the apex refusal only; the Trainer's older name of the backend.
+_TRAINER_ALSO_READ = {"fp16_backend": "auto", "fp16_opt_level": "O1"}
 _TRAINER = "Trainer arguments"
 _ONE_MODE = (
     "jaxmp has one mixed-precision mode, DeepSpeed's fp16/bf16 one: float32 "
@@ -467,27 +468,32 @@ def _trainer_bool(text: str) -> bool:
 
 
 def add_trainer_flags(parser: argparse.ArgumentParser) -> None:
-  """Adds the Trainer's flags that decide precision, clipping and accumulation."""
-  for name in ("fp16", "bf16"):
-    parser.add_argument(
-        f"--{name}", nargs="?", const=True, default=None, type=_trainer_bool,
-        metavar="BOOL", help=f"the Trainer's --{name}: fills in {name}.enabled")
-  parser.add_argument(
-      "--max_grad_norm", "--max-grad-norm", type=float, default=None,
-      metavar="NORM", help="the Trainer's --max_grad_norm (default 1.0): fills "
-      "in gradient_clipping")
-  parser.add_argument(
-      "--gradient_accumulation_steps", "--gradient-accumulation-steps",
-      type=int, default=None, metavar="K", help="the Trainer's "
-      "--gradient_accumulation_steps (default 1)")
+  """Adds a flag for each Trainer argument that is read, typed by its default.
+
+  The one parser of the Trainer's command line, for ``training_args=[...]``
+  and for ``jaxmp convert``: every key the dict form reads is a flag.
+  """
+  for name, default in {**TRAINER_DEFAULTS, **_TRAINER_ALSO_READ}.items():
+    names = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    if isinstance(default, bool):
+      parser.add_argument(*names, dest=name, nargs="?", const=True, default=None,
+                          type=_trainer_bool, metavar="BOOL",
+                          help=f"the Trainer's --{name} (default {default})")
+    else:
+      parser.add_argument(*names, dest=name, type=type(default), default=None,
+                          metavar="VALUE", help=f"the Trainer's --{name} (default {default})")
 
 
-def _trainer_flags(argv: list[str] | tuple[str, ...]) -> dict[str, Any]:
-  """The Trainer's arguments read from its command line; other flags are left."""
+def trainer_flags(argv: list[str] | tuple[str, ...]) -> dict[str, Any]:
+  """The Trainer's arguments read from its command line.
+
+  A flag that is not read warns, by name; one spelt close to a flag that is
+  read is refused.
+  """
   parser = argparse.ArgumentParser(
       prog="training_args", add_help=False, allow_abbrev=False, exit_on_error=False)
   add_trainer_flags(parser)
-  flags = [f"--{name}" for name in TRAINER_FLAGS]
+  flags = [f"--{name}" for name in {**TRAINER_DEFAULTS, **_TRAINER_ALSO_READ}]
   advice = ("Write the flags as the Trainer's command line takes them, each a "
             "string: ['--bf16', '--max_grad_norm', '1.0', "
             "'--gradient_accumulation_steps', '4'].")
@@ -499,20 +505,26 @@ def _trainer_flags(argv: list[str] | tuple[str, ...]) -> dict[str, Any]:
   except argparse.ArgumentError as e:
     flag = (e.argument_name or "").split("/")[0]
     raise _ConfigError(f"{_TRAINER}: {flag}: {e.message}. {advice}") from None
-  for token in rest:
-    name = token.split("=")[0]
-    hint = suggestion(name, flags) if name.startswith("-") else ""
+  unread = [token.split("=")[0] for token in rest if token.startswith("-")]
+  for name in unread:
+    hint = suggestion(name, flags)
     if hint:
       raise _ConfigError(
           f"{_TRAINER}: the flag {name} is not one the conversion reads "
           f"({', '.join(flags)}).{hint}")
+  if unread:
+    warnings.warn(
+        f"{_TRAINER}: {listing(unread)} not read: they do not decide "
+        f"precision, clipping, accumulation or the optimizer's settings. The "
+        f"flags read are {', '.join(flags)}.", UserWarning,
+        stacklevel=caller_stacklevel())
   return {key: value for key, value in vars(namespace).items() if value is not None}
 
 
 def _trainer_values(training_args: Any) -> dict[str, Any]:
   """The Trainer's arguments that fill in "auto", checked, defaults included."""
   if isinstance(training_args, (list, tuple)):
-    given = _trainer_flags(training_args)
+    given = trainer_flags(training_args)
   else:
     given = load_deepspeed_config(training_args, "the Trainer's arguments")
   if "fp16_backend" in given and "half_precision_backend" not in given:
@@ -653,9 +665,9 @@ def from_deepspeed_config(config: Any, *, training_args: Any = None) -> tuple[Po
     training_args: the Trainer's ``TrainingArguments``, as a dict (its
       ``to_dict()``), the JSON text its ``to_json_string()`` writes or the
       path of a file holding it, or the command line as a list of strings
-      (``["--bf16", "--gradient_accumulation_steps", "4"]``: ``--fp16``,
-      ``--bf16``, ``--max_grad_norm`` and ``--gradient_accumulation_steps``
-      are read, other flags are left). ``None``: the config alone.
+      (``["--bf16", "--gradient_accumulation_steps", "4"]``), read by the
+      same rules as the dict: a flag for each key read; other flags warn,
+      by name. ``None``: the config alone.
 
   Returns:
     ``(policy, loss_scale)``.
