@@ -31,6 +31,7 @@ from jaxmp._src.loss_scale import (
     select_tree,
 )
 from jaxmp._src.loss_scaling import (
+    LossScalingState,
     get_loss_scale,
     loss_scaling,
     loss_scaling_metrics,
@@ -79,6 +80,7 @@ __all__ = [
     "select_tree",
     # The optax wrapper.
     "loss_scaling",
+    "LossScalingState",
     "get_loss_scale",
     "loss_scaling_metrics",
     "scaled_value_and_grad",

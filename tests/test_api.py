@@ -19,7 +19,7 @@ PUBLIC = {
     "LossScale", "NoOpLossScale", "StaticLossScale", "DynamicLossScale",
     "default_loss_scale", "all_finite", "select_tree",
     # The optax wrapper.
-    "loss_scaling", "get_loss_scale", "loss_scaling_metrics",
+    "loss_scaling", "LossScalingState", "get_loss_scale", "loss_scaling_metrics",
     "scaled_value_and_grad", "check_loss_scale", "LossScaleAtMinimumError",
     "multi_steps", "RecoveryInfo", "keep_on_skip", "retry_skipped",
     # Migration.

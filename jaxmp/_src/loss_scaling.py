@@ -40,6 +40,13 @@ class LossScalingState(NamedTuple):
     lost_steps: int32, the steps whose batch was lost: still non-finite after
       any recovery, so skipped (equal to ``skipped_steps``; the name says
       what a skip costs).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jaxmp
+    >>> tx = jaxmp.loss_scaling(optax.adam(1e-3), jaxmp.DynamicLossScale())
+    >>> state = tx.init(jnp.zeros(2))
+    >>> isinstance(state, jaxmp.LossScalingState), int(state.skipped_steps)
+    (True, 0)
   """
 
   inner_state: optax.OptState
