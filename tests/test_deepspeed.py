@@ -266,7 +266,8 @@ def test_the_reference_is_deepspeed_s_recorded_scaler():
           run["config"], t)
 
 
-def test_jaxmp_grows_on_the_window_th_step_deepspeed_one_later():
+def test_the_documented_differences_from_deepspeed_s_scaler():
+  # jaxmp grows on the window-th clean step, DeepSpeed one step later.
   _, ls = jaxmp.from_deepspeed_config(
       {"fp16": {"enabled": True, "initial_scale_power": 3, "loss_scale_window": 3,
                 "hysteresis": 1}})
@@ -279,6 +280,12 @@ def test_jaxmp_grows_on_the_window_th_step_deepspeed_one_later():
     ds_scales.append(ref.scale)
   assert jaxmp_scales == [4, 4, 4, 8, 8]
   assert ds_scales == [4, 4, 4, 4, 8]
+  # DeepSpeed has no maximum; jaxmp stops at the largest float32 power of 2.
+  _, ls = jaxmp.from_deepspeed_config(
+      {"fp16": {"enabled": True, "initial_scale_power": 126, "loss_scale_window": 1}})
+  for _ in range(3):
+    ls = ls.adjust(jnp.array(True))
+  assert float(ls.loss_scale) == 2.0**127
 
 
 @jax.jit
@@ -392,14 +399,6 @@ def test_check_loss_scale_raises_where_deepspeed_raises():
   assert FIXTURE["examples"]["raises after the budget and two halvings"]["raises"] == "000001"
 
 
-def test_no_maximum_in_deepspeed_jaxmp_stops_at_float32_max():
-  _, ls = jaxmp.from_deepspeed_config(
-      {"fp16": {"enabled": True, "initial_scale_power": 126, "loss_scale_window": 1}})
-  for _ in range(3):
-    ls = ls.adjust(jnp.array(True))
-  assert float(ls.loss_scale) == 2.0**127
-
-
 # ---------------------------------------------------------------------------
 # Live: the recording still holds, where deepspeed is installed.
 
@@ -434,20 +433,6 @@ HF_BF16 = DATA / "ds_config_zero2_bf16.json"  # "auto" everywhere
 HF_ARGS = DATA / "hf_training_args.json"  # TrainingArguments.to_json_string()
 
 
-@pytest.mark.parametrize("form", ["dict", "json", "path", "flags"])
-def test_training_args_fill_in_enabled_auto(form):
-  text = HF_ARGS.read_text(encoding="utf-8")
-  training_args = {
-      "dict": json.loads(text), "json": text, "path": HF_ARGS,
-      "flags": ["--bf16", "--learning_rate", "2e-4", "--max_grad_norm=1.0"],
-  }[form]
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")  # "auto" is resolved: no warning
-    policy, loss_scale = jaxmp.from_deepspeed_config(HF_BF16, training_args=training_args)
-  assert policy == jaxmp.get_policy("mixed_bfloat16")
-  assert isinstance(loss_scale, jaxmp.NoOpLossScale)
-
-
 def test_a_trainer_flag_that_is_not_read_warns_by_name():
   with pytest.warns(UserWarning, match=r"--output_dir, --do_train not read"):
     policy, _ = jaxmp.from_deepspeed_config(
@@ -455,45 +440,35 @@ def test_a_trainer_flag_that_is_not_read_warns_by_name():
   assert policy == jaxmp.get_policy("mixed_bfloat16")
 
 
+BF16 = {"bf16": {"enabled": True}}
+FP16 = {"fp16": {"enabled": True}}
+
+
 # The command line and the dict are read by one parser: the same arguments
-# give the same result, or the same refusal.
-@pytest.mark.parametrize("config, flags, values, expected", [
-    ({"fp16": {"enabled": "auto"}}, ["--fp16_full_eval"], {"fp16_full_eval": True},
-     "mixed_float16"),
-    ({"bf16": {"enabled": "auto"}}, ["--bf16-full-eval", "true"],
-     {"bf16_full_eval": True}, "mixed_bfloat16"),
-    ({"fp16": {"enabled": "auto"}}, ["--fp16", "--half_precision_backend", "apex"],
-     {"fp16": True, "half_precision_backend": "apex"}, ValueError),
-    ({}, ["--fp16", "--fp16_backend", "apex"], {"fp16": True, "fp16_backend": "apex"},
-     ValueError),
-])
-def test_the_trainer_s_command_line_and_dict_give_the_same_result(
-    config, flags, values, expected):
-  for training_args in (flags, values):
-    if expected is ValueError:
-      with pytest.raises(ValueError, match="apex"):
-        jaxmp.from_deepspeed_config(config, training_args=training_args)
-    else:
-      policy, _ = jaxmp.from_deepspeed_config(config, training_args=training_args)
-      assert policy == jaxmp.get_policy(expected)
-
-
+# give the same result (and the same refusal: see the bad-input catalogue).
 @pytest.mark.parametrize("config, training_args, same_as", [
-    ({}, ["--bf16"], {"bf16": {"enabled": True}}),  # the Trainer adds the block
-    ({}, {"fp16": True}, {"fp16": {"enabled": True}}),
-    ({"fp16": {"enabled": "auto"}}, {"fp16_full_eval": True}, {"fp16": {"enabled": True}}),
+    # Every form of the Trainer's arguments resolves a config of "auto"s.
+    (HF_BF16, json.loads(HF_ARGS.read_text(encoding="utf-8")), BF16),
+    (HF_BF16, HF_ARGS.read_text(encoding="utf-8"), BF16),
+    (HF_BF16, HF_ARGS, BF16),
+    (HF_BF16, ["--bf16", "--learning_rate", "2e-4", "--max_grad_norm=1.0"], BF16),
+    ({}, ["--bf16"], BF16),  # the Trainer adds the block
+    ({}, {"fp16": True}, FP16),
+    ({"fp16": {"enabled": "auto"}}, ["--fp16_full_eval"], FP16),
+    ({"fp16": {"enabled": "auto"}}, {"fp16_full_eval": True}, FP16),
+    ({"bf16": {"enabled": "auto"}}, ["--bf16-full-eval", "true"], BF16),
+    ({"bf16": {"enabled": "auto"}}, {"bf16_full_eval": True}, BF16),
     # The config's loss scale is kept.
     ({"fp16": {"enabled": "auto", "initial_scale_power": 8, "hysteresis": 3}},
      {"fp16": True, "gradient_accumulation_steps": 4},
      {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 3}}),
     (HF_BF16, {}, {}),  # the Trainer's default: neither fp16 nor bf16
     # Values that agree with the Trainer's are accepted as they are.
-    ({"bf16": {"enabled": True}, "gradient_clipping": 1.0,
-      "gradient_accumulation_steps": 4}, HF_ARGS, {"bf16": {"enabled": True}}),
+    ({**BF16, "gradient_clipping": 1.0, "gradient_accumulation_steps": 4}, HF_ARGS, BF16),
 ])
 def test_the_trainer_s_arguments_fill_in_the_config(config, training_args, same_as):
   with warnings.catch_warnings():
-    warnings.simplefilter("error")
+    warnings.simplefilter("error")  # every "auto" is resolved: no warning
     policy, loss_scale = jaxmp.from_deepspeed_config(config, training_args=training_args)
   expected = jaxmp.from_deepspeed_config(same_as)
   assert policy == expected[0] and repr(loss_scale) == repr(expected[1])

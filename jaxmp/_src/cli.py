@@ -1,5 +1,5 @@
-"""The ``jaxmp`` command line: ``jaxmp doctor``, and ``jaxmp convert``, which prints
-the code of a DeepSpeed config as :func:`read_deepspeed_config` reads it.
+"""The ``jaxmp`` command line: ``jaxmp doctor``, and ``jaxmp convert``, which
+prints the code of a DeepSpeed config as :func:`read_deepspeed_config` reads it.
 
 Each subcommand is an entry of :data:`SUBCOMMANDS`: its help, a function that
 adds its arguments and a function that runs it and returns an exit code.
@@ -70,6 +70,7 @@ def run_to_code(run: DeepSpeedRun, source: str) -> str:
       "#   loss, grads = jaxmp.scaled_value_and_grad(loss_fn, "
       "jaxmp.get_loss_scale(opt_state))(params, batch)",
       "#   updates, opt_state = tx.update(grads, opt_state, params)",
+      "#   params = optax.apply_updates(params, updates)",
       "# with loss_fn running the model on policy.cast_to_compute(params) and",
       "# returning a float32 loss. Every N steps, outside jit: jaxmp.check_loss_scale(opt_state)"]
   return "\n".join(lines) + "\n"
