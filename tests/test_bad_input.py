@@ -745,6 +745,12 @@ CASES = [
                  ["--fp16", "--half_precision_backend", "apex"]), ValueError,
          r"fp16 with half_precision_backend 'apex' makes the Trainer fill in amp",
          r"Drop the apex backend"),
+    Case("DeepSpeed: the Trainer's older fp16_backend apex",
+         trainer({}, {"fp16": True, "fp16_backend": "apex"}), ValueError,
+         r"fp16 with half_precision_backend 'apex'", r"Drop the apex backend"),
+    Case("DeepSpeed: the Trainer's older fp16_backend apex on its command line",
+         trainer({}, ["--fp16", "--fp16_backend", "apex"]), ValueError,
+         r"fp16 with half_precision_backend 'apex'", r"Drop the apex backend"),
     Case("DeepSpeed: a config value the Trainer's argument contradicts",
          trainer({"bf16": {"enabled": True}, "gradient_accumulation_steps": 8},
                  ["--gradient_accumulation_steps", "4"]), ValueError,
@@ -768,6 +774,57 @@ CASES = [
          trainer({}, "/nonexistent/args.json"), ValueError,
          r"no such file: '/nonexistent/args\.json'",
          r"the path of a file that holds the Trainer's arguments"),
+    # The optimizer, clipping and accumulation are checked too, so that the
+    # code `jaxmp convert` prints never holds a value that optax refuses or
+    # that trains into nan.
+    Case("DeepSpeed: a NaN learning rate",
+         deepspeed('{"optimizer": {"type": "AdamW", "params": {"lr": NaN}}}'), ValueError,
+         r"optimizer\.params\.lr must be a number, got nan", r"e\.g\. 1e-3, or \"auto\""),
+    Case("DeepSpeed: an infinite learning rate",
+         deepspeed('{"optimizer": {"type": "AdamW", "params": {"lr": Infinity}}}'),
+         ValueError, r"optimizer\.params\.lr must be finite, got inf", r"e\.g\. 1e-3"),
+    Case("DeepSpeed: a quoted learning rate",
+         deepspeed({"optimizer": {"type": "AdamW", "params": {"lr": "1e-3"}}}), ValueError,
+         r"optimizer\.params\.lr must be a number, got '1e-3' of type str",
+         r"Write a JSON number, without quotes"),
+    Case("DeepSpeed: a bool learning rate",
+         deepspeed({"optimizer": {"type": "AdamW", "params": {"lr": True}}}), ValueError,
+         r"optimizer\.params\.lr must be a number, got True of type bool", r"e\.g\. 1e-3"),
+    Case("DeepSpeed: one beta",
+         deepspeed({"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}}), ValueError,
+         r"optimizer\.params\.betas must be a list of two numbers", r"such as \[0\.9, 0\.999\]"),
+    Case("DeepSpeed: a beta of 1.5",
+         deepspeed({"optimizer": {"type": "AdamW", "params": {"betas": [0.9, 1.5]}}}),
+         ValueError, r"optimizer\.params\.betas\[1\] .*got 1\.5",
+         r"must be a number >= 0 and < 1"),
+    Case("DeepSpeed: a negative weight decay",
+         deepspeed({"optimizer": {"type": "AdamW", "params": {"weight_decay": -0.1}}}),
+         ValueError, r"optimizer\.params\.weight_decay .*got -0\.1", r"must be a number >= 0"),
+    Case("DeepSpeed: an optimizer that is not an object", deepspeed({"optimizer": "adam"}),
+         ValueError, r"'optimizer' must be an object .*got 'adam'",
+         r'such as \{"type": "AdamW", "params": \{"lr": 1e-3\}\}'),
+    Case("DeepSpeed: an optimizer type that is not a string",
+         deepspeed({"optimizer": {"type": 3}}), ValueError,
+         r"optimizer\.type must be a string", r'such as "AdamW"'),
+    Case("DeepSpeed: infinite clipping", deepspeed('{"gradient_clipping": Infinity}'),
+         ValueError, r"gradient_clipping must be finite, got inf",
+         r"Use 0 for no clipping, or the max global norm"),
+    Case("DeepSpeed: quoted clipping", deepspeed({"gradient_clipping": "1.0"}), ValueError,
+         r"gradient_clipping must be a number, got '1\.0'", r"Write a JSON number, without quotes"),
+    Case("DeepSpeed: negative clipping", deepspeed({"gradient_clipping": -1}), ValueError,
+         r"gradient_clipping must be a number >= 0, got -1", r"Use 0 for no clipping"),
+    Case("DeepSpeed: quoted accumulation", deepspeed({"gradient_accumulation_steps": "4"}),
+         ValueError, r"gradient_accumulation_steps must be an integer, got '4'",
+         r"without quotes"),
+    Case("DeepSpeed: bool accumulation", deepspeed({"gradient_accumulation_steps": True}),
+         ValueError, r"gradient_accumulation_steps must be an integer, got True",
+         r"the number of micro-batches per optimizer step"),
+    Case("DeepSpeed: accumulation 0", deepspeed({"gradient_accumulation_steps": 0}),
+         ValueError, r"gradient_accumulation_steps must be an integer >= 1 .*got 0",
+         r"the number of micro-batches per optimizer step"),
+    Case("DeepSpeed: fractional accumulation", deepspeed({"gradient_accumulation_steps": 2.5}),
+         ValueError, r"gradient_accumulation_steps must be an integer, got 2\.5",
+         r"the number of micro-batches per optimizer step"),
     Case("from_torch_grad_scaler: a device name",
          lambda: jaxmp.from_torch_grad_scaler("cuda"), TypeError,
          r"init_scale must be a number, got 'cuda'", r"takes no device argument, drop it"),
@@ -1449,87 +1506,25 @@ def test_unknown_cli_subcommand(capsys):
 
 # -- Migration: `jaxmp convert` ------------------------------------------------
 # The command prints one line, "jaxmp convert: error: ...", exits with 2 and
-# prints no code. Values that only the generated code reads (the optimizer,
-# clipping, accumulation) are checked there, so that the code never holds a
-# value that optax refuses or that trains into nan.
-
-CONVERT_CASES = [
-    ('{"optimizer": {"type": "AdamW", "params": {"lr": NaN}}}',
-     r"optimizer\.params\.lr must be a number, got nan", r"e\.g\. 1e-3, or \"auto\""),
-    ('{"optimizer": {"type": "AdamW", "params": {"lr": Infinity}}}',
-     r"optimizer\.params\.lr must be finite, got inf", r"e\.g\. 1e-3"),
-    ('{"optimizer": {"type": "AdamW", "params": {"lr": "1e-3"}}}',
-     r"optimizer\.params\.lr must be a number, got '1e-3' of type str",
-     r"Write a JSON number, without quotes"),
-    ('{"optimizer": {"type": "AdamW", "params": {"lr": true}}}',
-     r"optimizer\.params\.lr must be a number, got True of type bool", r"e\.g\. 1e-3"),
-    ('{"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9]}}}',
-     r"optimizer\.params\.betas must be a list of two numbers", r"such as \[0\.9, 0\.999\]"),
-    ('{"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 1.5]}}}',
-     r"optimizer\.params\.betas\[1\] .*got 1\.5", r"must be a number >= 0 and < 1"),
-    ('{"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": -0.1}}}',
-     r"optimizer\.params\.weight_decay .*got -0\.1", r"must be a number >= 0"),
-    ('{"optimizer": "adam"}', r"'optimizer' must be an object .*got 'adam'",
-     r'such as \{"type": "AdamW", "params": \{"lr": 1e-3\}\}'),
-    ('{"optimizer": {"type": 3}}', r"optimizer\.type must be a string", r'such as "AdamW"'),
-    ('{"gradient_clipping": Infinity}', r"gradient_clipping must be finite, got inf",
-     r"Use 0 for no clipping, or the max global norm"),
-    ('{"gradient_clipping": "1.0"}', r"gradient_clipping must be a number, got '1\.0'",
-     r"Write a JSON number, without quotes"),
-    ('{"gradient_clipping": -1}', r"gradient_clipping must be a number >= 0, got -1",
-     r"Use 0 for no clipping"),
-    ('{"gradient_accumulation_steps": "4"}',
-     r"gradient_accumulation_steps must be an integer, got '4'", r"without quotes"),
-    ('{"gradient_accumulation_steps": true}',
-     r"gradient_accumulation_steps must be an integer, got True",
-     r"the number of micro-batches per optimizer step"),
-    ('{"gradient_accumulation_steps": 0}',
-     r"gradient_accumulation_steps must be an integer >= 1 .*got 0",
-     r"the number of micro-batches per optimizer step"),
-    ('{"gradient_accumulation_steps": 2.5}',
-     r"gradient_accumulation_steps must be an integer, got 2\.5",
-     r"the number of micro-batches per optimizer step"),
-    ('{"fp16": {"enabled": true}, "fp16": {"enabled": false}}',
-     r"gives the key 'fp16' twice", r"Keep one of them"),
-    ('{"fp16": {"enabled": true, "initial_scale_pwr": 8}}',
-     r"fp16\.initial_scale_pwr is not a key", r"Did you mean 'initial_scale_power'\?"),
-    ("[" * 100_000 + "]" * 100_000, r"is nested too deeply to parse",
-     r"check that this is the right file"),
-]
-
-
-def _convert_error(capsys, argv):
-  code = cli.main(["convert", *argv])
-  captured = capsys.readouterr()
-  assert code == 2
-  assert captured.out == "" and "Traceback" not in captured.err
-  lines = captured.err.splitlines()
-  assert len(lines) == 1 and lines[0].startswith("jaxmp convert: error: "), captured.err
-  return lines[0]
-
-
-@pytest.mark.parametrize("text, problem, fix", CONVERT_CASES,
-                         ids=[f"convert-{i}" for i in range(len(CONVERT_CASES))])
-def test_cli_convert_explains_bad_configs(tmp_path, capsys, text, problem, fix):
-  path = tmp_path / "ds_config.json"
-  path.write_text(text)
-  line = _convert_error(capsys, [str(path)])
-  assert re.search(problem, line), line
-  assert re.search(fix, line), line
+# prints no code; it reads the config as from_deepspeed_config does (above).
 
 
 def test_cli_convert_of_a_bad_file(tmp_path, capsys, monkeypatch):
   path = tmp_path / "ds_config.json"
   path.write_text('{"fp16": {"enabled": true, "loss_scale": -1}}')
-  line = _convert_error(capsys, [str(path)])
-  assert re.search(r"fp16\.loss_scale must be a number >= 0 .*got -1", line), line
-  assert re.search(r"Use 0 \(dynamic loss scaling\) or a positive static scale", line), line
-  line = _convert_error(capsys, [str(tmp_path / "missing.json")])
-  assert "no such file" in line and "missing.json" in line
   monkeypatch.setattr(sys, "stdin", io.StringIO("[" * 100_000))
-  line = _convert_error(capsys, ["-"])
-  assert re.search(r"standard input is nested too deeply to parse", line), line
-  assert re.search(r"check that this is the right file", line), line
+  for argv, problem, fix in [
+      ([str(path)], r"fp16\.loss_scale must be a number >= 0 .*got -1",
+       r"Use 0 \(dynamic loss scaling\) or a positive static scale"),
+      ([str(tmp_path / "missing.json")], r"no such file: .*missing\.json", r"pass a dict"),
+      (["-"], r"standard input is nested too deeply to parse",
+       r"check that this is the right file")]:
+    code = cli.main(["convert", *argv])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "" and "Traceback" not in captured.err
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxmp convert: error: "), captured.err
+    assert re.search(problem, lines[0]) and re.search(fix, lines[0]), lines[0]
 
 
 def test_a_changed_loss_scale_kind_in_a_checkpoint(tmp_path):

@@ -84,13 +84,10 @@ def _grouped_runs():
 # Against the recording of PyTorch.
 
 
-def test_the_recording_is_of_a_known_torch():
+def test_defaults_are_the_recorded_grad_scaler_s():
   assert FIXTURE["generated_by"] == "tests/data/make_oracle_fixtures.py"
   assert set(FIXTURE["versions"]) >= {"torch", "python", "numpy"}
   assert len(FIXTURE["update_kernel_runs"]) >= 40
-
-
-def test_defaults_are_grad_scaler_s():
   parameters = inspect.signature(jaxmp.from_torch_grad_scaler).parameters
   ours = {name: p.default for name, p in parameters.items()}
   assert ours == FIXTURE["grad_scaler_defaults"]
@@ -125,32 +122,21 @@ def test_the_reference_is_the_recorded_update_kernel():
     assert [float(s) for s in torch_reference(flags, **run["config"])] == run["scales"]
 
 
-def test_factor_rounding_follows_pytorch():
-  # 1126.4 * 0.1 in double precision, stored as float32, differs from the
-  # float32 product; jaxmp follows PyTorch. And growth by 1.1 from 3.0.
-  backoff = FIXTURE["examples"]["backoff by 0.1, rounded once"]
-  assert np.float32(backoff["scales"][0]) == np.float32(112.64)
-  assert np.float32(backoff["scales"][0]) != np.float32(1126.4) * np.float32(0.1)
-  growth = FIXTURE["examples"]["growth by 1.1, rounded once"]
-  assert np.float32(growth["scales"][0]) == np.float32(3.3)
-  for run in (backoff, growth):
-    scales, _ = _trajectories(run["config"], _flags([run["overflows"]]))
-    assert scales[0].tolist() == run["scales"]
-
-
-def test_the_migration_guide_trajectory_is_pytorch_s():
-  run = FIXTURE["examples"]["the migration guide's example"]
-  assert [f"{s:.6g}" for s in run["scales"]] == [
+def test_jaxmp_follows_the_recorded_examples():
+  """Factors applied in double precision and rounded once (0.1, 1.1), the
+  migration guide's example, and a real GradScaler driven through
+  scale/step/update: scale and growth tracker, bit for bit."""
+  examples = FIXTURE["examples"]
+  backoff = examples["backoff by 0.1, rounded once"]["scales"][0]
+  # 1126.4 * 0.1 in double precision, stored as float32, is not the float32 product.
+  assert np.float32(backoff) == np.float32(112.64) != np.float32(1126.4) * np.float32(0.1)
+  assert np.float32(examples["growth by 1.1, rounded once"]["scales"][0]) == np.float32(3.3)
+  assert [f"{s:.6g}" for s in examples["the migration guide's example"]["scales"]] == [
       "112.64", "112.64", "123.904", "123.904", "136.294"]
-  scales, _ = _trajectories(run["config"], _flags([run["overflows"]]))
-  assert scales[0].tolist() == run["scales"]
-
-
-def test_jaxmp_follows_the_recorded_grad_scaler_object():
-  run = FIXTURE["grad_scaler_object_run"]
-  scales, counters = _trajectories(run["config"], _flags([run["overflows"]]))
-  assert scales[0].tolist() == run["scales"]
-  assert counters[0].tolist() == run["growth_trackers"]
+  for run in [*examples.values(), FIXTURE["grad_scaler_object_run"]]:
+    scales, counters = _trajectories(run["config"], _flags([run["overflows"]]))
+    assert scales[0].tolist() == run["scales"]
+    assert counters[0].tolist() == run["growth_trackers"]
 
 
 torch_configs = st.fixed_dictionaries({

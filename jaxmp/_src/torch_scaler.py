@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-from jaxmp._src.loss_scale import (
-    INT32_MAX,
-    DynamicLossScale,
-    LossScale,
-    NoOpLossScale,
-)
+from jaxmp._src.loss_scale import INT32_MAX, DynamicLossScale, LossScale, NoOpLossScale
 from jaxmp._src.validation import check_bool, check_number
 
-# PyTorch's GradScaler never grows when ``growth_interval <= 0``. jaxmp's
-# period is an int32 step count, so "never" is represented by the largest
-# one: growth would need 2**31 - 1 consecutive finite steps.
+# PyTorch never grows when ``growth_interval <= 0``; jaxmp's period is an
+# int32 step count, so "never" is the largest one.
 NEVER_GROW_PERIOD = INT32_MAX
-
 
 # torch.device types, which GradScaler takes as its first argument.
 _DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu", "xla", "hpu", "npu", "mtia", "meta")
-
-
-def _is_number(text: str) -> bool:
-  try:
-    float(text)
-  except ValueError:
-    return False
-  return True
 
 
 def from_torch_grad_scaler(
@@ -37,45 +22,19 @@ def from_torch_grad_scaler(
 ) -> LossScale:
   """Returns a loss scale that follows ``torch.amp.GradScaler`` step for step.
 
-  The arguments are those of ``torch.amp.GradScaler`` (without ``device``:
-  JAX places the state). The result is a :class:`jaxmp.DynamicLossScale`
-  with ``factor=growth_factor``, ``backoff_factor``, ``period=growth_interval``
-  and ``min_loss_scale=0`` (PyTorch has no floor). As in PyTorch:
-
-  * the scale grows on the ``growth_interval``-th consecutive finite step, and
-    a growth whose result is not finite is refused (the counter still resets);
-  * every overflow multiplies the scale by ``backoff_factor``;
-  * the float32 scale is multiplied by the factor in double precision and
-    rounded once, which matters for factors such as 0.1 or 1.1.
-
-  ``growth_interval <= 0`` never grows in PyTorch; here it gives a period of
-  ``2**31 - 1`` steps (:data:`NEVER_GROW_PERIOD`), which no run reaches.
-  ``enabled=False`` gives :class:`jaxmp.NoOpLossScale`.
-
-  One difference: the scale never backs off below ``2**-126``, the smallest
-  normal float32 (backends such as the CPU flush smaller values to 0, after
-  which no step could succeed); PyTorch walks on through the subnormals.
-  Overflows at that floor are counted, so :func:`jaxmp.check_loss_scale`
-  raises there.
-
-  Args:
-    init_scale: the initial scale.
-    growth_factor: multiplier on growth, > 1.
-    backoff_factor: multiplier on overflow, in (0, 1).
-    growth_interval: consecutive finite steps before the scale grows.
-    enabled: ``False`` disables loss scaling.
-
-  Returns:
-    A :class:`jaxmp.DynamicLossScale`, or :class:`jaxmp.NoOpLossScale` when
-    ``enabled`` is false.
+  The arguments are ``GradScaler``'s (without ``device``). The result is a
+  :class:`jaxmp.DynamicLossScale` with ``factor=growth_factor``,
+  ``backoff_factor``, ``period=growth_interval`` and no floor; the factors
+  are applied in double precision and rounded once, as PyTorch does.
+  ``growth_interval <= 0`` (never grow) gives a period of
+  :data:`NEVER_GROW_PERIOD`; ``enabled=False`` gives
+  :class:`jaxmp.NoOpLossScale`. One difference: the scale stops at
+  ``2**-126``, where PyTorch walks on through the subnormals.
 
   Raises:
-    TypeError: for non-numbers (e.g. a device name passed positionally, or
-      a number in quotes), a non-integer ``growth_interval`` or a non-bool
-      ``enabled``.
-    ValueError: for a non-positive or non-finite ``init_scale``,
-      ``growth_factor <= 1`` or ``backoff_factor`` outside (0, 1), also with
-      ``enabled=False`` (PyTorch checks the factors only when enabled).
+    TypeError: for a non-number (a device name, a number in quotes), a
+      fractional ``growth_interval`` or a non-bool ``enabled``.
+    ValueError: for a value out of range, also with ``enabled=False``.
 
   Example:
     >>> import jax.numpy as jnp, jaxmp
@@ -95,20 +54,14 @@ def from_torch_grad_scaler(
       ("growth_interval", growth_interval, "2000", dict(integer=True)),
   ):
     advice = f"PyTorch's default is {default}."
-    if isinstance(value, str) and _is_number(value):
-      advice = f"Pass a number, not a string: {name}={value.strip()}."
-    elif isinstance(value, str) and value.split(":")[0].lower() in _DEVICE_TYPES:
-      advice = "It looks like a device name: jaxmp takes no device argument, drop it."
+    if isinstance(value, str):
+      advice = ("It looks like a device name: jaxmp takes no device argument, drop it."
+                if value.split(":")[0].lower() in _DEVICE_TYPES
+                else f"Pass a number, not a string: {name}={value.strip()}.")
     values[name] = check_number(owner, name, value, advice=advice, **bounds)
   if not enabled:
     return NoOpLossScale()
   period = values["growth_interval"]
-  if period <= 0 or period > NEVER_GROW_PERIOD:
-    period = NEVER_GROW_PERIOD
   return DynamicLossScale(
-      values["init_scale"],
-      period=period,
-      factor=values["growth_factor"],
-      min_loss_scale=0.0,
-      backoff_factor=values["backoff_factor"],
-  )
+      values["init_scale"], period=period if 0 < period <= NEVER_GROW_PERIOD else NEVER_GROW_PERIOD,
+      factor=values["growth_factor"], min_loss_scale=0.0, backoff_factor=values["backoff_factor"])
