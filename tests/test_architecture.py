@@ -14,7 +14,6 @@ PRIVATE_MECHANICS_TESTS = {
     "test_jaxpr.py",
     "test_path_policy.py",
     "test_deepspeed.py",
-    "test_codegen.py",
     "test_architecture.py",
 }
 # Benchmarks that measure alternatives to an internal piece of jaxmp, which
