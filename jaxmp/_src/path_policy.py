@@ -138,10 +138,13 @@ class PathPolicy(RuleTablePolicy):
       >>> model, x = nn.Sequential([nn.Dense(2), nn.Dense(2)]), jnp.ones((1, 3))
       >>> variables = model.init(jax.random.key(0), x)
       >>> policy = jaxmp.PathPolicy({"^layers_1/": "float32"}, default="mixed_bfloat16")
-      >>> jaxpr = jax.make_jaxpr(policy.wrap_apply(model.apply))(variables, x)
+      >>> apply = policy.wrap_apply(model.apply)
+      >>> jaxpr = jax.make_jaxpr(apply)(variables, x)
       >>> [tuple(str(v.aval.dtype) for v in e.invars)
       ...  for e in jaxpr.eqns if e.primitive.name == "dot_general"]
       [('bfloat16', 'bfloat16'), ('float32', 'float32')]
+      >>> apply(variables, x).dtype  # the default's output dtype
+      dtype('float32')
     """
     from jaxmp._src.flax.apply import apply_under_policy  # pylint: disable=g-import-not-at-top
 
