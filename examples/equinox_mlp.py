@@ -40,7 +40,8 @@ def create(policy: jaxmp.Policy, seed: int = 0, learning_rate: float = 3e-3):
   """The model (float32 weights), the optimizer and its state."""
   model = eqx.nn.MLP(64, 10, 128, depth=2, key=jax.random.key(seed))
   # A DynamicLossScale under float16, none under bfloat16.
-  tx = jaxmp.loss_scaling(optax.adam(learning_rate), jaxmp.default_loss_scale(policy))
+  loss_scale = jaxmp.DynamicLossScale() if policy.needs_loss_scaling else jaxmp.NoOpLossScale()
+  tx = jaxmp.loss_scaling(optax.adam(learning_rate), loss_scale)
   opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
   return model, tx, opt_state
 

@@ -51,8 +51,8 @@ def create_state(policy: str = "mixed_float16", seed: int = 0,
   model = MLP()
   params = model.init(jax.random.key(seed), jnp.ones((1, 64)))["params"]
   module_policy = jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default=policy)
-  # No loss_scale given: create picks jaxmp.default_loss_scale(policy), a
-  # DynamicLossScale under float16 and none under bfloat16.
+  # No loss_scale given: create picks a DynamicLossScale under float16 and
+  # none under bfloat16.
   return jaxmp.flax.TrainState.create(
       apply_fn=model.apply, params=params, tx=optax.adam(learning_rate),
       policy=module_policy)

@@ -53,7 +53,7 @@ def create(policy: jaxmp.Policy, seed: int = 0, learning_rate: float = 3e-3):
   model = MLP(nnx.Rngs(seed))
   jaxmp.flax.ModulePolicy({nnx.LayerNorm: "float32"}, default=policy).set_nnx_dtypes(model)
   # A DynamicLossScale under float16, none under bfloat16.
-  loss_scale = jaxmp.default_loss_scale(policy)
+  loss_scale = jaxmp.DynamicLossScale() if policy.needs_loss_scaling else jaxmp.NoOpLossScale()
   optimizer = nnx.Optimizer(
       model, jaxmp.loss_scaling(optax.adam(learning_rate), loss_scale), wrt=nnx.Param)
   return model, optimizer

@@ -10,7 +10,6 @@ from jaxmp._src.autocast import autocast
 from jaxmp._src.autocast_rules import autocast_rules
 from jaxmp._src.checks import LossScaleAtMinimumError, check_loss_scale
 from jaxmp._src.deepspeed import from_deepspeed_config
-from jaxmp._src.default_loss_scale import default_loss_scale
 from jaxmp._src.diagnostics import (
     dtype_headroom,
     grad_stats,
@@ -75,7 +74,6 @@ __all__ = [
     "NoOpLossScale",
     "StaticLossScale",
     "DynamicLossScale",
-    "default_loss_scale",
     "all_finite",
     "select_tree",
     # The optax wrapper.

@@ -17,7 +17,7 @@ PUBLIC = {
     "autocast", "autocast_rules",
     # Loss scales.
     "LossScale", "NoOpLossScale", "StaticLossScale", "DynamicLossScale",
-    "default_loss_scale", "all_finite", "select_tree",
+    "all_finite", "select_tree",
     # The optax wrapper.
     "loss_scaling", "LossScalingState", "get_loss_scale", "loss_scaling_metrics",
     "scaled_value_and_grad", "check_loss_scale", "LossScaleAtMinimumError",

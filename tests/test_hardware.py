@@ -35,14 +35,10 @@ def test_auto_policy_by_hardware(device, expected):
   assert policy.needs_loss_scaling == (expected == "p=f32,c=f16,o=f32")
 
 
-def test_auto_policy_defaults_to_first_device_and_the_auto_preset():
-  assert jaxmp.auto_policy() == jaxmp.auto_policy(jax.devices()[0])
-  assert jaxmp.get_policy("auto") == jaxmp.auto_policy()
-
-
-def test_hardware_report_describes_the_running_devices():
+def test_hardware_report_and_auto_policy_describe_the_first_device():
   report = jaxmp.hardware_report()
   devices = jax.devices()
+  assert jaxmp.auto_policy() == jaxmp.auto_policy(devices[0]) == jaxmp.get_policy("auto")
   assert report.platform == devices[0].platform
   assert report.device_count == len(devices)
   assert report.process_count == jax.process_count()

@@ -56,15 +56,6 @@ def test_jmp_idioms_give_the_same_results():
   assert _jmp_style_training(jaxmp) == expected
 
 
-def test_half_dtype_is_callable_like_jmp():
-  # A core fix: jmp.half_dtype() returns the JAX scalar type, which README code
-  # calls (`jmp.half_dtype()(2 ** 15)`); it also still equals the NumPy dtype.
-  assert jaxmp.half_dtype() is jnp.float16
-  assert jaxmp.half_dtype()(2.0).dtype == np.dtype("float16")
-  assert jaxmp.get_policy("half").compute_dtype == np.dtype("float16")
-  assert jaxmp.cast_to_half(jnp.ones(2)).dtype == np.dtype("float16")
-
-
 def _imagenet_train_step(jmp, loss_scale, params, x, y):
   """The step of dm-haiku's ImageNet example (its mixed-precision part).
 

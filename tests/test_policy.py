@@ -18,73 +18,37 @@ import jaxmp
 import jaxmp.flax
 from matmul_dtypes import input_dtypes, matmul_dtypes
 
-F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
-F64 = jnp.float64
+F32, F16 = jnp.float32, jnp.float16
 
 
 # The grammar.
 
-
+# A jmp spec's dtypes are compared with jmp's own in tests/test_jmp_suite.py.
 @pytest.mark.parametrize(
     "spec, expected",
     [
-        ("p=f32,c=bf16,o=f32", (F32, BF16, F32)),
-        ("params=float32,compute=bfloat16,output=float32", (F32, BF16, F32)),
-        ("p = f32 , c = f16", (F32, F16, F16)),  # output follows compute
-        ("c=bf16", (F32, BF16, BF16)),  # params default to float32
-        ("p=f16", (F16, F16, F16)),  # compute follows params
-        ("o=f16", (F32, F32, F16)),
-        ("bf16", (BF16, BF16, BF16)),
-        ("full", (F32, F32, F32)),
-        ("half", (F16, F16, F16)),  # float16 on the CPU, as jmp
-        ("float64", (F64, F64, F64)),
-        ("fp16", (F16, F16, F16)),  # PyTorch's and DeepSpeed's spelling
-        ("fp32", (F32, F32, F32)),
-        ("fp64", (F64, F64, F64)),
-        ("p=fp32,c=fp16,o=fp32", (F32, F16, F32)),
-        ("mixed_bfloat16", (F32, BF16, F32)),
-        ("mixed_float16", (F32, F16, F32)),
-        ("float32", (F32, F32, F32)),
-        ("auto", (F32, F32, F32)),  # the CPU gets float32
+        ("p=f32,c=bf16,o=f32", "p=f32,c=bf16,o=f32"),
+        ("params=float32,compute=bfloat16,output=float32", "p=f32,c=bf16,o=f32"),
+        ("p = f32 , c = f16", "p=f32,c=f16,o=f16"),  # output follows compute
+        ("c=bf16", "p=f32,c=bf16,o=bf16"),  # params default to float32
+        ("p=f16", "p=f16,c=f16,o=f16"),  # compute follows params
+        ("c=f16,o=full", "p=f32,c=f16,o=f32"),
+        ("bf16", "p=bf16,c=bf16,o=bf16"),
+        ("half", "p=f16,c=f16,o=f16"),  # float16 on the CPU, as jmp
+        ("fp64", "p=f64,c=f64,o=f64"),
+        ("p=fp32,c=fp16", "p=f32,c=f16,o=f16"),  # PyTorch's spelling, short names
+        ("mixed_bfloat16", "p=f32,c=bf16,o=f32"),
+        ("mixed_float16", "p=f32,c=f16,o=f32"),
+        ("float32", "p=f32,c=f32,o=f32"),
+        ("auto", str(jaxmp.auto_policy())),
+        ("p=f32,c=bf16,o=f32,dot=fp8", "p=f32,c=bf16,o=f32,dot=fp8"),
+        (jmp.get_policy("p=f32,c=bf16,o=f16"), "p=f32,c=bf16,o=f16"),
     ],
 )
-def test_grammar_and_presets(spec, expected):
+def test_grammar_presets_and_the_round_trip_of_str(spec, expected):
   policy = jaxmp.get_policy(spec)
-  got = (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
-  assert all(a is b for a, b in zip(got, expected)), got
-
-
-@pytest.mark.parametrize(
-    "spec",
-    ["p=f32,c=bf16,o=f32", "p=f32,c=f16,o=f32", "p=bf16,c=bf16,o=f16",
-     "p=f32,c=bf16,o=f32,dot=fp8", "p=f64,c=f32,o=f32"],
-)
-def test_str_round_trips(spec):
-  policy = jaxmp.get_policy(spec)
-  assert str(policy) == spec
+  assert str(policy) == expected
   assert jaxmp.get_policy(str(policy)) == policy
-
-
-def test_fp_names_print_as_the_short_names():
-  assert str(jaxmp.get_policy("p=fp32,c=fp16")) == "p=f32,c=f16,o=f16"
-
-
-@pytest.mark.parametrize(
-    "spec, expected",
-    [("p=f32,c=bf16,o=f32", (F32, BF16, F32)), ("params=float32,compute=float16", (F32, F16, F16)),
-     ("bf16", (BF16, BF16, BF16)), ("half", (F16, F16, F16)), ("full", (F32, F32, F32)),
-     ("c=f16,o=full", (F32, F16, F32))],
-)
-def test_same_dtypes_as_jmp(spec, expected):
-  ours = jaxmp.get_policy(spec)
-  theirs = jmp.get_policy(spec)
-  for field, dtype in zip(("param_dtype", "compute_dtype", "output_dtype"), expected):
-    assert getattr(ours, field) is getattr(theirs, field) is dtype
-
-
-def test_jmp_policy_is_accepted():
-  policy = jaxmp.get_policy(jmp.get_policy("p=f32,c=bf16,o=f16"))
-  assert str(policy) == "p=f32,c=bf16,o=f16"
 
 
 # The dtypes are JAX scalar types, as in jmp.
@@ -122,41 +86,25 @@ def test_with_methods_and_needs_loss_scaling():
 # Casts.
 
 
-class CastTest(chex.TestCase):
-
-  @chex.variants(with_jit=True, without_jit=True)
-  def test_casts_touch_only_real_floating_array_leaves(self):
-    policy = jaxmp.get_policy("mixed_float16")
-    tree = {
-        "jax_f32": jnp.array([1.0, 1.0 + 2.0**-11]),
-        "int": jnp.arange(3),
-        "bool": jnp.array([True]),
-        "complex": jnp.array([1 + 2j], jnp.complex64),
-    }
-    out = self.variant(policy.cast_to_compute)(tree)
-    # 1 + 2**-11 is halfway between two float16 numbers and rounds to 1.
-    chex.assert_trees_all_equal(out, {
-        "jax_f32": jnp.array([1.0, 1.0], jnp.float16),
-        "int": jnp.arange(3),
-        "bool": jnp.array([True]),
-        "complex": jnp.array([1 + 2j], jnp.complex64),
-    })
-    back = self.variant(policy.cast_to_param)(out)
-    assert back["jax_f32"].dtype == np.float32 and back["int"].dtype == np.int32
-    bf16 = self.variant(policy.with_output_dtype(jnp.bfloat16).cast_to_output)(out)
-    assert bf16["jax_f32"].dtype == jnp.bfloat16
-
-
-def test_casts_keep_numpy_leaves_numpy_and_leave_python_values_alone():
+def test_casts_touch_only_floating_array_leaves_and_keep_their_kind():
   policy = jaxmp.get_policy("mixed_float16")
-  tree = {"np": np.ones(2), "np_scalar": np.float32(1.5), "python": 1.5,
-          "string": "name", "none": None, "function": jnp.tanh}  # as Equinox modules hold
+  tree = {
+      "jax_f32": jnp.array([1.0, 1.0 + 2.0**-11]),
+      "int": jnp.arange(3), "bool": jnp.array([True]),
+      "complex": jnp.array([1 + 2j], jnp.complex64),
+      "np": np.ones(2), "np_scalar": np.float32(1.5), "python": 1.5,
+      "string": "name", "none": None, "function": jnp.tanh,  # as Equinox modules hold
+  }
   out = policy.cast_to_compute(tree)
-  assert out["function"] is jnp.tanh
-  assert isinstance(out["np"], np.ndarray) and out["np"].dtype == np.float16
-  assert isinstance(out["np_scalar"], np.generic) and out["np_scalar"].dtype == np.float16
-  assert out["python"] == 1.5 and isinstance(out["python"], float)
-  assert out["string"] == "name" and out["none"] is None
+  # 1 + 2**-11 is halfway between two float16 numbers and rounds to 1.
+  chex.assert_trees_all_equal(out, {
+      **tree, "jax_f32": jnp.array([1.0, 1.0], jnp.float16),
+      "np": np.ones(2, np.float16), "np_scalar": np.float16(1.5)}, strict=True)
+  assert isinstance(out["np"], np.ndarray) and isinstance(out["np_scalar"], np.generic)
+  assert out["function"] is jnp.tanh and isinstance(out["python"], float)
+  assert policy.cast_to_param(out)["jax_f32"].dtype == np.float32
+  bf16 = policy.with_output_dtype(jnp.bfloat16).cast_to_output(out)
+  assert bf16["jax_f32"].dtype == jnp.bfloat16 and bf16["int"].dtype == np.int32
 
 
 def test_policy_is_hashable_and_a_static_jit_argument():
@@ -172,14 +120,6 @@ def test_policy_is_hashable_and_a_static_jit_argument():
   chex.assert_trees_all_equal(step(jnp.ones(2), a), jnp.full(2, 2.0))
   step(jnp.ones(2), b)  # an equal policy: no retrace
   assert step(jnp.ones(2), jaxmp.get_policy("bf16")).dtype == jnp.bfloat16  # retraces once
-
-
-def test_jmp_helpers_keep_jmp_semantics():
-  tree = {"w": jnp.ones(2, jnp.bfloat16), "n": jnp.arange(2)}
-  assert jaxmp.half_dtype() is jmp.half_dtype() is jnp.float16  # on the CPU
-  chex.assert_trees_all_equal(jaxmp.cast_to_full(tree), jmp.cast_to_full(tree))
-  chex.assert_trees_all_equal(jaxmp.cast_to_half(tree), jmp.cast_to_half(tree))
-  assert jaxmp.cast_to_half(tree)["w"].dtype == np.float16
 
 
 # 16-bit params warn once.
@@ -238,7 +178,7 @@ def mlp_variables(x):
   return MLP().init(jax.random.key(0), x)
 
 
-def test_wrap_apply_casts_params_inputs_and_output():
+def test_wrap_apply_casts_params_floating_inputs_and_output_not_token_ids():
   policy = jaxmp.get_policy("mixed_float16")
   x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
   variables = mlp_variables(x)
@@ -254,15 +194,11 @@ def test_wrap_apply_casts_params_inputs_and_output():
   # promotion computes in float32 (strict promotion refuses it).
   with jax.numpy_dtype_promotion("standard"):
     assert input_dtypes(MLP().apply, policy.cast_to_compute(variables), x) == {"float32"}
-
-
-def test_wrap_apply_leaves_integer_inputs_alone():
-  policy = jaxmp.get_policy("mixed_bfloat16")
-  model = TokenModel()
-  ids, scale = jnp.array([[1, 7, 3]]), jnp.float32(0.5)
+  # Integer inputs (token ids) are left alone.
+  model, ids, scale = TokenModel(), jnp.array([[1, 7, 3]]), jnp.float32(0.5)
   variables = model.init(jax.random.key(0), ids, scale)
   out = policy.wrap_apply(model.apply)(variables, ids, scale)
-  expected = model.apply(policy.cast_to_compute(variables), ids, scale.astype(BF16))
+  expected = model.apply(policy.cast_to_compute(variables), ids, scale.astype(F16))
   chex.assert_trees_all_equal(out, expected.astype(F32))
 
 

@@ -30,7 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src.checks import check_loss_scale
-from jaxmp._src.default_loss_scale import as_policy
 from jaxmp._src.hardware import HardwareReport, hardware_report
 from jaxmp._src.loss_scale import LossScale, NoOpLossScale
 from jaxmp._src.loss_scaling import (
@@ -39,6 +38,7 @@ from jaxmp._src.loss_scaling import (
     with_loss_scale,
 )
 from jaxmp._src.monitor import LossScaleMonitor
+from jaxmp._src.policy import as_policy
 from jaxmp._src.validation import check_number, listing
 
 _logger = logging.getLogger("jaxmp")

@@ -1,4 +1,4 @@
-"""Hardware-aware defaults: :func:`auto_policy` and :func:`hardware_report`."""
+"""Hardware-aware defaults: the preset :func:`auto_policy` picks and :func:`hardware_report`."""
 
 from __future__ import annotations
 
@@ -9,56 +9,33 @@ import jax
 
 
 def _compute_capability(device: Any) -> float | None:
-  """Returns an NVIDIA device's compute capability as a float, else None."""
-  cc = getattr(device, "compute_capability", None)
-  if cc is None:
-    return None
+  """An NVIDIA device's compute capability as a float, else None."""
   try:
-    return float(cc)
+    return float(getattr(device, "compute_capability", None))
   except (TypeError, ValueError):
     return None
 
 
-def _is_nvidia(device: Any) -> bool:
-  if device.platform not in ("gpu", "cuda"):
-    return False
-  return _compute_capability(device) is not None
-
-
 def _native_support(device: Any) -> dict[str, bool]:
-  """Which low-precision dtypes the device computes natively."""
-  platform = device.platform
-  if platform == "tpu":
+  """Which low-precision dtypes ``device`` computes natively."""
+  cc = _compute_capability(device)
+  if device.platform == "tpu":
     return {"bfloat16": True, "float16": False, "float8": False}
-  if _is_nvidia(device):
-    cc = _compute_capability(device)
+  if device.platform in ("gpu", "cuda") and cc is not None:  # NVIDIA
     return {"bfloat16": cc >= 8.0, "float16": cc >= 6.0, "float8": cc >= 8.9}
-  if platform in ("gpu", "rocm"):
-    # AMD Instinct GPUs (MI100 and newer) run bf16 and fp16 matrix cores.
-    return {"bfloat16": True, "float16": True, "float8": False}
-  return {"bfloat16": False, "float16": False, "float8": False}
+  amd = device.platform in ("gpu", "rocm")  # AMD Instinct (MI100 and newer)
+  return {"bfloat16": amd, "float16": amd, "float8": False}
 
 
 def recommended_preset(device: Any) -> str:
-  """The name of the policy preset recommended for ``device``.
-
-  ``"mixed_bfloat16"`` where bfloat16 is native, else ``"mixed_float16"``
-  where float16 is, else ``"float32"``.
-
-  Raises:
-    TypeError: if ``device`` is not a JAX device (e.g. a platform name).
-  """
+  """The preset for ``device``: ``mixed_bfloat16``, else ``mixed_float16``, else ``float32``."""
   if not isinstance(getattr(device, "platform", None), str):
     raise TypeError(
         f"auto_policy expects a JAX device or None, got {device!r}. Pass a "
-        "device such as jax.devices()[0] (or jax.devices('gpu')[0])."
-    )
+        "device such as jax.devices()[0] (or jax.devices('gpu')[0]).")
   native = _native_support(device)
-  if native["bfloat16"]:
-    return "mixed_bfloat16"
-  if native["float16"]:
-    return "mixed_float16"
-  return "float32"
+  return ("mixed_bfloat16" if native["bfloat16"] else
+          "mixed_float16" if native["float16"] else "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,26 +56,21 @@ class HardwareReport:
 
   def as_dict(self) -> dict[str, Any]:
     """Returns the report as a JSON-serialisable dict."""
-    d = dataclasses.asdict(self)
-    d["device_kinds"] = list(self.device_kinds)
-    return d
+    return {**dataclasses.asdict(self), "device_kinds": list(self.device_kinds)}
 
   def __str__(self) -> str:
-    yes_no = lambda b: "yes" if b else "no"
-    lines = [
-        "jaxmp hardware report",
-        f"  jax version          {self.jax_version}",
-        f"  platform             {self.platform}",
-        f"  devices              {self.device_count} "
-        f"({', '.join(self.device_kinds)}) in {self.process_count} process(es)",
-        f"  compute capability   {self.compute_capability or 'n/a'}",
-        f"  native bfloat16      {yes_no(self.native_bfloat16)}",
-        f"  native float16       {yes_no(self.native_float16)}",
-        f"  native float8        {yes_no(self.native_float8)}",
-        f"  recommended policy   {self.recommended_policy}",
-        f"  recommended scale    {self.recommended_loss_scale}",
+    rows = [
+        ("jax version", self.jax_version),
+        ("platform", self.platform),
+        ("devices", f"{self.device_count} ({', '.join(self.device_kinds)}) in "
+         f"{self.process_count} process(es)"),
+        ("compute capability", self.compute_capability or "n/a"),
+        *((f"native {t}", "yes" if getattr(self, f"native_{t}") else "no")
+          for t in ("bfloat16", "float16", "float8")),
+        ("recommended policy", self.recommended_policy),
+        ("recommended scale", self.recommended_loss_scale),
     ]
-    return "\n".join(lines)
+    return "\n".join(["jaxmp hardware report", *(f"  {k:<20} {v}" for k, v in rows)])
 
 
 def hardware_report() -> HardwareReport:
@@ -116,22 +88,19 @@ def hardware_report() -> HardwareReport:
   device = devices[0]
   native = _native_support(device)
   preset = recommended_preset(device)
-  cc = _compute_capability(device)
-  # Of the presets, only float16 compute needs loss scaling.
-  if preset == "mixed_float16":
-    loss_scale = "DynamicLossScale()"
-  else:
-    loss_scale = "NoOpLossScale()"
   return HardwareReport(
       jax_version=jax.__version__,
       platform=device.platform,
       device_count=len(devices),
       process_count=jax.process_count(),
       device_kinds=tuple(sorted({d.device_kind for d in devices})),
-      compute_capability=None if cc is None else str(device.compute_capability),
+      compute_capability=None if _compute_capability(device) is None
+      else str(device.compute_capability),
       native_bfloat16=native["bfloat16"],
       native_float16=native["float16"],
       native_float8=native["float8"],
       recommended_policy=preset,
-      recommended_loss_scale=loss_scale,
+      # Of the presets, only float16 compute needs loss scaling.
+      recommended_loss_scale="DynamicLossScale()" if preset == "mixed_float16"
+      else "NoOpLossScale()",
   )

@@ -1,10 +1,4 @@
-"""Per-parameter policies: regular expressions on pytree paths pick a policy.
-
-A :class:`PathPolicy` maps regular expressions on the paths of a pytree's
-leaves (``"params/Dense_0/kernel"``) to :class:`jaxmp.Policy` objects and has
-the same ``cast_to_param``/``cast_to_compute``/``cast_to_output`` methods as a
-policy, applied leaf by leaf.
-"""
+"""Per-parameter policies: regular expressions on pytree paths pick a policy."""
 
 from __future__ import annotations
 
@@ -23,84 +17,49 @@ T = TypeVar("T")
 
 
 def path_to_string(path: tuple[Any, ...]) -> str:
-  """Returns the ``/``-separated string of a pytree key path.
-
-  ``jax.tree_util.keystr(path, simple=True, separator="/")``, except that a
-  trailing ``.value`` attribute (the array inside an NNX ``Variable``) is left
-  out, so that an NNX state's ``kernel`` leaf is ``"Linear_0/kernel"`` as in
-  Linen.
+  """The ``/``-separated string of a pytree key path, without an NNX ``Variable``'s ``.value``.
 
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from jaxmp._src.path_policy import path_to_string
     >>> tree = {"params": {"Dense_0": {"kernel": jnp.ones(2)}}}
-    >>> path, _ = jax.tree_util.tree_flatten_with_path(tree)[0][0]
-    >>> path_to_string(path)
+    >>> path_to_string(jax.tree_util.tree_flatten_with_path(tree)[0][0][0])
     'params/Dense_0/kernel'
   """
   path = tuple(path)
-  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and (
-      path[-1].name == "value"
-  ):
+  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
     path = path[:-1]
   return jax.tree_util.keystr(path, simple=True, separator="/")
-
-
-_check_pattern = functools.partial(check_pattern, "PathPolicy")
 
 
 @dataclasses.dataclass(frozen=True, init=False)
 class PathPolicy(RuleTablePolicy):
   """Policies chosen per leaf by regular expressions on the leaf's path.
 
-  A leaf's path is its pytree key path joined with ``/``
-  (``jax.tree_util.keystr(path, simple=True, separator="/")``), e.g.
-  ``"params/Dense_0/kernel"`` for Linen variables or ``"Linear_0/kernel"``
-  for an NNX state (an NNX ``Variable``'s trailing ``.value`` is not part of
-  the path). Each pattern is matched with :func:`re.search`, so
-  ``"LayerNorm"`` matches any path that contains it; anchor it
-  (``"^params/head/"``, ``"bias$"``) to be precise.
-
-  * **Unmatched paths** get ``default`` (``float32`` unless you say
-    otherwise). With ``default=None`` an unmatched floating leaf raises
-    ``ValueError``, naming its path and the rules.
-  * **Overlapping patterns**: when more than one pattern matches the same path
-    the choice is ambiguous and raises ``ValueError`` naming the path and the
-    patterns, unless ``first_match=True``, in which case the rules are tried in
-    the order given and the first match wins (give them as a dict or a list of
-    pairs, in priority order).
-
-  Only floating array leaves are cast (and looked up); integer, boolean and
-  non-array leaves are returned unchanged, as with :class:`jaxmp.Policy`.
-
-  A ``PathPolicy`` is frozen and hashable, so it can be a static argument of
-  ``jax.jit`` or the ``policy`` of a :class:`jaxmp.flax.TrainState`, where the
-  params are cast path by path and the inputs and outputs use ``default``.
+  A path is the leaf's key path joined with ``/`` (``"params/Dense_0/kernel"``
+  in Linen variables, ``"Linear_0/kernel"`` in an NNX state), matched with
+  :func:`re.search` (anchor with ``^``/``$`` to be precise). Only floating
+  leaves are looked up and cast. Frozen and hashable (a static argument of
+  ``jax.jit``, or a :class:`jaxmp.flax.TrainState`'s ``policy``, where the
+  inputs and outputs use ``default``).
 
   Args:
-    rules: a mapping (or a sequence of ``(pattern, policy)`` pairs) from
-      regular expressions to policies; a policy is anything
-      :func:`jaxmp.get_policy` takes (``"float32"``, ``"mixed_bfloat16"``,
-      ``"p=f32,c=bf16,o=f32"``, a :class:`jaxmp.Policy`).
-    default: the policy of paths no pattern matches, or ``None`` to make an
-      unmatched floating leaf an error.
-    first_match: resolve overlaps by the order of ``rules`` instead of raising.
-
-  Raises:
-    ValueError: for an invalid regular expression, a pattern given twice, or a
-      policy ``get_policy`` does not understand.
-    TypeError: if a pattern is not a string, or ``rules`` is not a mapping or
-      a sequence of pairs.
+    rules: a dict (or a list of pairs) from patterns to anything
+      :func:`jaxmp.get_policy` takes.
+    default: the policy of unmatched paths; ``None`` makes an unmatched
+      floating leaf an error.
+    first_match: a path several patterns match takes the first (in the order
+      given) instead of raising ``ValueError``.
 
   Example:
     >>> import jax.numpy as jnp, jaxmp
-    >>> policy = jaxmp.PathPolicy({"LayerNorm": "float32"},
-    ...                           default="mixed_bfloat16")
+    >>> policy = jaxmp.PathPolicy({"LayerNorm": "float32"}, default="mixed_bfloat16")
     >>> params = {"Dense_0": {"kernel": jnp.ones((2, 2))},
     ...           "LayerNorm_0": {"scale": jnp.ones(2)}}
-    >>> compute = policy.cast_to_compute(params)
-    >>> compute["Dense_0"]["kernel"].dtype, compute["LayerNorm_0"]["scale"].dtype
-    (dtype(bfloat16), dtype('float32'))
+    >>> policy.describe(params)
+    {'Dense_0/kernel': 'p=f32,c=bf16,o=f32', 'LayerNorm_0/scale': 'p=f32,c=f32,o=f32'}
+    >>> policy.cast_to_compute(params)["Dense_0"]["kernel"].dtype
+    dtype(bfloat16)
   """
 
   table: RuleTable
@@ -113,142 +72,79 @@ class PathPolicy(RuleTablePolicy):
       first_match: bool = False,
   ):
     object.__setattr__(self, "table", rule_table(
-        "PathPolicy", rules, default, first_match, check_key=_check_pattern,
+        "PathPolicy", rules, default, first_match,
+        check_key=functools.partial(check_pattern, "PathPolicy"),
         key_description="pattern",
         exclusive_hint=" (anchor the patterns with ^ and $)"))
 
   def policy_for(self, path: str) -> Policy:
-    """Returns the policy of the leaf at ``path`` (a ``/``-separated string).
-
-    Raises:
-      ValueError: if several patterns match and ``first_match`` is false, or
-        if none matches and there is no default.
-
-    Example:
-      >>> import jaxmp
-      >>> policy = jaxmp.PathPolicy({"bias$": "float32", "head": "bf16"},
-      ...                           default="mixed_float16")
-      >>> str(policy.policy_for("params/Dense_0/kernel"))
-      'p=f32,c=f16,o=f32'
-      >>> policy.policy_for("params/head/bias")
-      Traceback (most recent call last):
-      ...
-      ValueError: PathPolicy: the path 'params/head/bias' matches several rules: 'bias$', 'head'. Make the rules exclusive (anchor the patterns with ^ and $), or pass first_match=True to let the first matching rule (in the order given) win.
-    """
+    """Returns the policy of the leaf at ``path`` (a ``/``-separated string)."""
     return self.table.policy_for(
-        f"the path {path!r}", lambda pattern: re.search(pattern, path) is not None
-    )
+        f"the path {path!r}", lambda pattern: re.search(pattern, path) is not None)
+
+  def _map(self, tree: Any, fn: Callable[[Policy, Any], Any],
+           other: Callable[[Any], Any] = lambda x: x) -> Any:
+    """``fn(policy, leaf)`` for each floating leaf of ``tree``, ``other(leaf)`` else."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: fn(self.policy_for(path_to_string(path)), x)
+        if is_floating_array(x) else other(x), tree)
 
   def policies(self, tree: Any) -> Any:
-    """Returns a pytree like ``tree`` with each floating leaf's :class:`Policy`.
-
-    Other leaves become ``None``.
-    """
-
-    def one(path, x):
-      if not is_floating_array(x):
-        return None
-      return self.policy_for(path_to_string(path))
-
-    return jax.tree_util.tree_map_with_path(one, tree)
+    """A pytree like ``tree`` with each floating leaf's :class:`Policy` (``None`` else)."""
+    return self._map(tree, lambda policy, _: policy, lambda _: None)
 
   def describe(self, tree: Any) -> dict[str, str]:
-    """Returns ``{path: str(policy)}`` for the floating leaves of ``tree``.
-
-    Example:
-      >>> import jax.numpy as jnp, jaxmp
-      >>> policy = jaxmp.PathPolicy({"^head/": "float32"}, default="mixed_float16")
-      >>> policy.describe({"head": {"w": jnp.ones(1)}, "body": {"w": jnp.ones(1)}})
-      {'body/w': 'p=f32,c=f16,o=f32', 'head/w': 'p=f32,c=f32,o=f32'}
-    """
-    described = {}
-    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-      if is_floating_array(x):
-        name = path_to_string(path)
-        described[name] = str(self.policy_for(name))
-    return described
-
-  def _cast(self, tree: T, cast: Callable[[Policy, Any], Any]) -> T:
-    def one(path, x):
-      if not is_floating_array(x):
-        return x
-      return cast(self.policy_for(path_to_string(path)), x)
-
-    return jax.tree_util.tree_map_with_path(one, tree)
+    """Returns ``{path: str(policy)}`` for the floating leaves of ``tree``."""
+    return {path_to_string(path): str(self.policy_for(path_to_string(path)))
+            for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if is_floating_array(x)}
 
   def cast_to_param(self, tree: T) -> T:
-    """Casts each floating leaf to its policy's ``param_dtype``.
-
-    A 16-bit ``param_dtype`` warns once per policy, as
-    :meth:`jaxmp.Policy.cast_to_param` does.
-    """
-    return self._cast(tree, Policy.cast_to_param)
+    """Casts each floating leaf to its policy's ``param_dtype`` (16-bit ones warn once)."""
+    return self._map(tree, Policy.cast_to_param)
 
   def cast_to_compute(self, tree: T) -> T:
     """Casts each floating leaf to its policy's ``compute_dtype``."""
-    return self._cast(tree, Policy.cast_to_compute)
+    return self._map(tree, Policy.cast_to_compute)
 
   def cast_to_output(self, tree: T) -> T:
     """Casts each floating leaf to its policy's ``output_dtype``."""
-    return self._cast(tree, Policy.cast_to_output)
+    return self._map(tree, Policy.cast_to_output)
 
-  def params_for_storage(self, params: Any) -> Any:
-    """Casts each param to its policy's ``param_dtype``."""
-    return self.cast_to_param(params)
-
-  def params_for_compute(self, params: Any) -> Any:
-    """Casts each param to its policy's ``compute_dtype``."""
-    return self.cast_to_compute(params)
+  params_for_storage = cast_to_param
+  params_for_compute = cast_to_compute
 
   def for_autocast(self) -> tuple[Any, Any]:
-    """Refused: autocast casts operations, not parameters.
-
-    Raises:
-      ValueError: always; the message names the alternatives.
-    """
+    """Refused: autocast casts operations, not parameters."""
     raise ValueError(
         "PathPolicy: autocast casts the inputs of each operation, not each "
         "parameter, so per-parameter rules cannot apply under autocast. Pin "
         "modules with a jaxmp.flax.ModulePolicy (its rules become autocast "
-        "scopes), or drop autocast=True to cast the params path by path."
-    )
+        "scopes), or drop autocast=True to cast the params path by path.")
 
   def wrap_apply(self, apply_fn: Callable[..., Any]) -> Callable[..., Any]:
     """Returns ``apply_fn`` (e.g. a Linen ``model.apply``) running under the policy.
 
-    As :meth:`jaxmp.Policy.wrap_apply`, with ``variables["params"]`` cast path
-    by path (the paths are those inside the ``params`` collection,
-    ``"Dense_0/kernel"``, as in :meth:`jaxmp.flax.TrainState.value_and_grad`)
-    and the inputs and outputs cast with ``default``.
-
-    Only the params are cast per path, not the activations between layers:
-    where a layer's params and its inputs differ in dtype (a float32 layer
-    after a bfloat16 one, as below), the model's own promotion decides. Flax
-    layers promote the two to the wider dtype; under strict dtype promotion
-    (``jax_numpy_dtype_promotion="strict"``) they raise. To run a layer in
-    float32 under strict promotion, use :class:`jaxmp.flax.ModulePolicy`,
-    which casts each module's inputs too.
-
-    Args:
-      apply_fn: a function of ``(variables, *args, **kwargs)``.
-
-    Returns:
-      The wrapped function.
-
-    Raises:
-      ValueError: if there is no default.
+    As :meth:`jaxmp.Policy.wrap_apply`, with the params cast path by path
+    (paths inside the ``params`` collection: ``"Dense_0/kernel"``) and the
+    inputs and outputs with ``default``. Activations are not cast between
+    layers: a float32 layer after a bfloat16 one promotes (or raises under
+    strict promotion); :class:`jaxmp.flax.ModulePolicy` casts each module's
+    inputs too.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxmp
       >>> import flax.linen as nn
-      >>> model = nn.Sequential([nn.Dense(2), nn.Dense(2)])
-      >>> x = jnp.ones((1, 3))
+      >>> model, x = nn.Sequential([nn.Dense(2), nn.Dense(2)]), jnp.ones((1, 3))
       >>> variables = model.init(jax.random.key(0), x)
       >>> policy = jaxmp.PathPolicy({"^layers_1/": "float32"}, default="mixed_bfloat16")
-      >>> jaxpr = jax.make_jaxpr(policy.wrap_apply(model.apply))(variables, x)
+      >>> apply = policy.wrap_apply(model.apply)
+      >>> jaxpr = jax.make_jaxpr(apply)(variables, x)
       >>> [tuple(str(v.aval.dtype) for v in e.invars)
       ...  for e in jaxpr.eqns if e.primitive.name == "dot_general"]
       [('bfloat16', 'bfloat16'), ('float32', 'float32')]
+      >>> apply(variables, x).dtype  # the default's output dtype
+      dtype('float32')
     """
     from jaxmp._src.flax.apply import apply_under_policy  # pylint: disable=g-import-not-at-top
 

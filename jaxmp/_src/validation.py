@@ -1,11 +1,8 @@
 """Validation of configuration values: one checker per kind of value, one wording.
 
-Every public constructor and factory of jaxmp validates its configuration
-with these, so the same mistake gets the same exception class and the same
-sentence everywhere: ``TypeError`` for a value of the wrong kind (a string,
-``None``, a bool where a number is expected), ``ValueError`` for a value of
-the right kind outside its range. :func:`listing` names the items an error
-is about, the first few of them, in one wording.
+``TypeError`` for a value of the wrong kind (a string, ``None``, a bool where
+a number is expected), ``ValueError`` for one of the right kind outside its
+range; every message starts with its owner and may end with advice.
 """
 
 from __future__ import annotations
@@ -22,31 +19,25 @@ import numpy as np
 
 
 def _as_real(value: Any) -> Any:
-  """A Python number for a real number given as Python, NumPy or a 0-d array.
-
-  Returns None for anything else (strings, None, bools, tracers, complex
-  numbers, arrays of another shape).
-  """
-  if isinstance(value, (bool, np.bool_)):
-    return None
-  if isinstance(value, jax.core.Tracer):
+  """A Python number for a real Python, NumPy or concrete 0-d array number; else None."""
+  if isinstance(value, (bool, np.bool_, jax.core.Tracer)):
     return None
   if isinstance(value, numbers.Real):
     return value.item() if isinstance(value, np.generic) else value
-  if isinstance(value, (np.ndarray, jax.Array)):
-    if value.shape == () and _is_real_dtype(value.dtype):
-      return np.asarray(value).item()
+  if isinstance(value, (np.ndarray, jax.Array)) and value.shape == () and (
+      _is_real_dtype(value.dtype)):
+    return np.asarray(value).item()
   return None
 
 
 def _is_real_dtype(dtype: Any, *, integer: bool = False) -> bool:
-  """Whether ``dtype`` is an integer dtype or (unless ``integer``) a floating one.
+  """Whether ``dtype`` is an integer dtype or (unless ``integer``) a floating one."""
+  return bool(jnp.issubdtype(dtype, jnp.integer) or (
+      not integer and jnp.issubdtype(dtype, jnp.floating)))
 
-  ``jnp.issubdtype`` knows the dtypes NumPy does not (bfloat16, float8).
-  """
-  if jnp.issubdtype(dtype, jnp.integer):
-    return True
-  return not integer and jnp.issubdtype(dtype, jnp.floating)
+
+def _bound(x: float) -> str:
+  return str(int(x)) if float(x).is_integer() and abs(x) < 2**53 else f"{x:g}"
 
 
 def check_number(
@@ -61,82 +52,46 @@ def check_number(
     exclusive_maximum: bool = False,
     advice: str = "",
 ) -> Any:
-  """Returns ``value`` as a Python ``int`` or ``float`` after checking it.
+  """Returns ``value`` (a Python or NumPy number or a concrete 0-d array) as an int or float.
 
-  Accepts Python and NumPy numbers and concrete 0-d arrays. Infinite values
-  are refused unless ``maximum`` is ``math.inf``; nan is always refused.
-
-  Args:
-    owner: who checks, e.g. ``"DynamicLossScale"``; starts the message.
-    name: the argument's name.
-    value: the value.
-    integer: whether the value must be a whole number.
-    minimum: the smallest value allowed (or the bound, if exclusive).
-    maximum: the largest value allowed (or the bound, if exclusive).
-    exclusive_minimum: the minimum itself is not allowed.
-    exclusive_maximum: the maximum itself is not allowed.
-    advice: a sentence appended to the message, e.g. the usual choice.
+  nan is refused, and so is an infinite value unless ``maximum`` is
+  ``math.inf``; ``advice`` ends every message.
 
   Raises:
-    TypeError: if ``value`` is not a real number (or not whole when
-      ``integer``).
+    TypeError: if ``value`` is not a real number (or not whole when ``integer``).
     ValueError: if it is nan, infinite, or outside the range.
   """
-  tail = f" {advice}" if advice else ""
+  fail = lambda kind, error, got: error(f"{owner}: {name} must be {kind}, got {got}."
+                                        + (f" {advice}" if advice else ""))
   kind = "an integer" if integer else "a number"
   number = _as_real(value)
   if number is None:
-    traced = isinstance(value, jax.core.Tracer)
-    got = "a traced value (configuration is static: pass a Python number)" if (
-        traced) else f"{value!r} of type {type(value).__name__}"
-    raise TypeError(f"{owner}: {name} must be {kind}, got {got}.{tail}")
+    raise fail(kind, TypeError, "a traced value (configuration is static: pass a "
+               "Python number)" if isinstance(value, jax.core.Tracer)
+               else f"{value!r} of type {type(value).__name__}")
   if math.isnan(number):
-    raise ValueError(f"{owner}: {name} must be {kind}, got nan.{tail}")
+    raise fail(kind, ValueError, "nan")
   if math.isinf(number) and maximum != math.inf:
-    raise ValueError(f"{owner}: {name} must be finite, got {number}.{tail}")
-  if integer:
-    if not float(number).is_integer():
-      raise TypeError(f"{owner}: {name} must be an integer, got {value!r}.{tail}")
-    number = int(number)
-  else:
-    number = float(number)
-  low_ok = minimum is None or (
-      number > minimum if exclusive_minimum else number >= minimum)
-  high_ok = maximum is None or (
-      number < maximum if exclusive_maximum else number <= maximum)
+    raise fail("finite", ValueError, number)
+  if integer and not float(number).is_integer():
+    raise fail(kind, TypeError, repr(value))
+  number = int(number) if integer else float(number)
+  low_ok = minimum is None or (number > minimum if exclusive_minimum else number >= minimum)
+  high_ok = maximum is None or (number < maximum if exclusive_maximum else number <= maximum)
   if not (low_ok and high_ok):
-    raise ValueError(
-        f"{owner}: {name} must be {_range_text(kind, minimum, maximum, exclusive_minimum, exclusive_maximum)}, "
-        f"got {value!r}.{tail}"
-    )
+    parts = [] if minimum is None else [f"{'>' if exclusive_minimum else '>='} {_bound(minimum)}"]
+    if maximum not in (None, math.inf):
+      parts.append(f"{'<' if exclusive_maximum else '<='} {_bound(maximum)}")
+    raise fail(f"{kind} {' and '.join(parts)}" if parts else kind, ValueError, repr(value))
   return number
 
 
-def _bound(x: float) -> str:
-  return str(int(x)) if float(x).is_integer() and abs(x) < 2**53 else f"{x:g}"
-
-
-def _range_text(kind, minimum, maximum, exclusive_minimum, exclusive_maximum):
-  parts = []
-  if minimum is not None:
-    parts.append(f"{'>' if exclusive_minimum else '>='} {_bound(minimum)}")
-  if maximum is not None and maximum != math.inf:
-    parts.append(f"{'<' if exclusive_maximum else '<='} {_bound(maximum)}")
-  return f"{kind} {' and '.join(parts)}" if parts else kind
-
-
 def check_bool(owner: str, name: str, value: Any, *, advice: str = "") -> bool:
-  """Returns ``value`` as a Python bool; refuses anything but a bool.
-
-  Raises:
-    TypeError: if ``value`` is not a Python or NumPy bool.
-  """
+  """Returns ``value`` as a Python bool; a ``TypeError`` for anything but a bool."""
   if not isinstance(value, (bool, np.bool_)):
-    tail = f" {advice}" if advice else ""
     raise TypeError(
         f"{owner}: {name} must be True or False, got {value!r} of type "
-        f"{type(value).__name__}.{tail}"
-    )
+        f"{type(value).__name__}." + (f" {advice}" if advice else ""))
   return bool(value)
 
 
@@ -150,32 +105,17 @@ def check_state_value(
     maximum: float | None = None,
     advice: str = "",
 ) -> Any:
-  """Returns ``value`` as a scalar state array of ``dtype`` after checking it.
+  """Returns ``value`` as a scalar state array of ``dtype`` (a loss scale, a counter).
 
-  State values (a loss scale, a counter) may be Python or NumPy numbers or
-  JAX arrays, concrete or traced. A concrete value is checked by value, as
-  :func:`check_number` checks a number (a whole number when ``dtype`` is an
-  integer dtype), within ``[minimum, maximum]`` and always within the range
-  of ``dtype``. It is returned as a NumPy array of ``dtype``, or as the given
-  JAX array when that already has ``dtype`` (and is not weakly typed), so
-  that it stays where it is. A traced value (or an array spread over several
-  processes) cannot be read here: its shape and the kind of its dtype are
-  checked, and it is converted to ``dtype``.
-
-  Args:
-    owner: who checks, e.g. ``"DynamicLossScale"``; starts the message.
-    name: the argument's name.
-    value: the value.
-    dtype: the dtype of the state array, e.g. ``np.float32`` or ``np.int32``.
-    minimum: the smallest value allowed (default: the smallest of ``dtype``).
-    maximum: the largest value allowed (default: the largest of ``dtype``).
-    advice: a sentence appended to the message, e.g. the usual choice.
+  A concrete value is checked as :func:`check_number` checks it, within
+  ``[minimum, maximum]`` and the range of ``dtype``, and returned as a NumPy
+  array (or as the given JAX array when it already has ``dtype`` and is not
+  weakly typed, so that it stays where it is). A traced value, or one spread
+  over several processes, is checked by shape and dtype kind and converted.
 
   Raises:
-    TypeError: if ``value`` is not a scalar real number (a bool, a string,
-      ``None``, a complex number, an array of another shape), is not whole
-      when ``dtype`` is an integer dtype, or is traced with a dtype that does
-      not convert to ``dtype`` without loss (a floating value for a counter).
+    TypeError: for a non-scalar, a value of the wrong kind, or a traced
+      value whose dtype does not convert without loss.
     ValueError: if a concrete value is nan, infinite or outside the range.
   """
   dtype = np.dtype(dtype)
@@ -184,22 +124,17 @@ def check_state_value(
   minimum = float(info.min) if minimum is None else max(minimum, float(info.min))
   maximum = float(info.max) if maximum is None else min(maximum, float(info.max))
   tail = f" {advice}" if advice else ""
-  kind = "an integer" if integer else "a number"
   shape = getattr(value, "shape", ())
   if shape != ():
     raise TypeError(
-        f"{owner}: {name} must be a scalar, got an array of shape "
-        f"{tuple(shape)}.{tail}"
-    )
-  unreadable = isinstance(value, jax.core.Tracer) or (
-      isinstance(value, jax.Array) and not value.is_fully_addressable)
-  if unreadable:
-    source = np.dtype(value.dtype)
-    if not _is_real_dtype(source, integer=integer):
+        f"{owner}: {name} must be a scalar, got an array of shape {tuple(shape)}.{tail}")
+  if isinstance(value, jax.core.Tracer) or (
+      isinstance(value, jax.Array) and not value.is_fully_addressable):
+    if not _is_real_dtype(value.dtype, integer=integer):
       raise TypeError(
-          f"{owner}: {name} must be {kind}, got a traced {source} value. "
-          f"Pass an array of dtype {dtype}.{tail}"
-      )
+          f"{owner}: {name} must be {'an integer' if integer else 'a number'}, "
+          f"got a traced {np.dtype(value.dtype)} value. Pass an array of dtype "
+          f"{dtype}.{tail}")
     return jax.lax.convert_element_type(value, dtype)
   number = check_number(owner, name, value, integer=integer, minimum=minimum,
                         maximum=maximum, advice=advice)
@@ -220,20 +155,13 @@ def jmp_loss_scale_fix(value: Any) -> str:
   if not (type(value).__module__.split(".")[0] == "jmp"
           and kind in ("DynamicLossScale", "StaticLossScale", "NoOpLossScale")):
     return ""
-
-  def plain(field):
-    field_value = getattr(value, field)
-    if isinstance(field_value, jax.core.Tracer):
-      return "..."
-    return repr(np.asarray(field_value).item())
-
+  plain = lambda v: "..." if isinstance(v, jax.core.Tracer) else repr(np.asarray(v).item())
   fields = ("loss_scale", "counter", "period", "factor", "min_loss_scale")
-  args = ", ".join(f"{f}={plain(f)}" for f in fields if hasattr(value, f))
+  args = ", ".join(f"{f}={plain(getattr(value, f))}" for f in fields if hasattr(value, f))
   return (
       f" That is jmp's {kind}, which jaxmp does not run: write "
       f"jaxmp.{kind}({args}). Or import jaxmp as jmp instead of jmp, which "
-      f"makes jmp.{kind}(...) jaxmp's."
-  )
+      f"makes jmp.{kind}(...) jaxmp's.")
 
 
 def listing(items: Iterable[str], separator: str = ", ", shown: int = 6) -> str:
@@ -248,18 +176,13 @@ def listing(items: Iterable[str], separator: str = ", ", shown: int = 6) -> str:
   return text + (f" and {len(items) - shown} more" if len(items) > shown else "")
 
 
-# Frames of these packages are skipped when a warning looks for the user's line.
-_LIBRARY_PREFIXES = ("jaxmp.", "jax.", "flax.", "optax.")
-
-
 def caller_stacklevel() -> int:
   """The ``stacklevel`` of the first frame outside jaxmp, JAX, Flax and optax.
 
-  The one stack walk of jaxmp: a warning raised with it points at the user's
-  line, however deep inside the libraries it was raised.
+  The one stack walk of jaxmp: a warning raised with it points at the user's line.
   """
   frame, level = sys._getframe(1), 1  # pylint: disable=protected-access
-  while frame is not None and (
-      frame.f_globals.get("__name__", "") + ".").startswith(_LIBRARY_PREFIXES):
+  while frame is not None and (frame.f_globals.get("__name__", "") + ".").startswith(
+      ("jaxmp.", "jax.", "flax.", "optax.")):
     frame, level = frame.f_back, level + 1
   return level

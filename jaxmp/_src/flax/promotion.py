@@ -27,13 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmp._src.default_loss_scale import as_policy
 from jaxmp._src.diagnostics import nonfinite_paths
 from jaxmp._src.flax.fp8 import FP8_META
 from jaxmp._src.flax.fp8_nnx import is_fp8_op
 from jaxmp._src.flax.module_policy import ModulePolicy
 from jaxmp._src.loss_scale import all_finite
-from jaxmp._src.policy import Policy, is_floating_array
+from jaxmp._src.policy import Policy, as_policy, is_floating_array
 from jaxmp._src.rules import module_path
 
 _ROOT = ""

@@ -13,7 +13,6 @@ from flax import struct
 from flax.training import train_state
 
 from jaxmp._src.autocast import autocast
-from jaxmp._src.default_loss_scale import as_policy, default_loss_scale
 from jaxmp._src.flax.fp8 import (
   FP8_META,
   in_step_units,
@@ -31,7 +30,7 @@ from jaxmp._src.loss_scaling import (
   loss_scaling_metrics,
 )
 from jaxmp._src.precision_audit import warn_on_first_trace
-from jaxmp._src.policy import Fp8Policy
+from jaxmp._src.policy import Fp8Policy, as_policy, default_loss_scale
 from jaxmp._src.recovery import keep_on_skip
 from jaxmp._src.validation import check_bool, jmp_loss_scale_fix
 from jaxmp._src.value_and_grad import scale_then_differentiate
@@ -135,9 +134,8 @@ class TrainState(train_state.TrainState):
         (``"mixed_fp8"``) is applied as ``jaxmp.flax.ModulePolicy({},
         default=policy)``.
       loss_scale: the initial loss scale. Default:
-        :func:`jaxmp.default_loss_scale` of the policy, that is
-        ``jaxmp.DynamicLossScale()`` when the policy computes in float16 (or
-        float8), else ``jaxmp.NoOpLossScale()``.
+        ``jaxmp.DynamicLossScale()`` when ``policy.needs_loss_scaling``
+        (float16 compute), else ``jaxmp.NoOpLossScale()``.
       axis_name: inside ``pmap`` or ``shard_map``, the axis name (or tuple of
         names) over which the batch is split; passed to
         :func:`jaxmp.loss_scaling`, so that all devices agree on skipping.
