@@ -600,22 +600,44 @@ HALF_POLICIES = ["mixed_float16", "mixed_bfloat16"]
 FLOAT32_MIN = jnp.finfo(jnp.float32).min
 
 
+# Additive float32 attention masks from a keep-mask: 0 where kept, a large
+# negative number where masked.
+ADDITIVE_MASKS = {
+    "-1e9": lambda keep: jnp.where(keep, 0.0, -1e9).astype(jnp.float32),
+    "-1e5": lambda keep: jnp.where(keep, 0.0, -1e5).astype(jnp.float32),
+    "finfo_min": lambda keep: jnp.where(keep, 0.0, FLOAT32_MIN),
+    "hugging_face": lambda keep: (1.0 - keep.astype(jnp.float32)) * FLOAT32_MIN,
+}
+
+
+@pytest.mark.parametrize("form", sorted(ADDITIVE_MASKS))
 @pytest.mark.parametrize("policy", HALF_POLICIES)
-def test_a_mask_fill_stays_finite_and_a_fully_masked_row_stays_uniform(policy):
-  def constant_fill(w, q):
-    return jax.nn.softmax(jnp.where(jnp.zeros(3, bool), q @ w, FLOAT32_MIN))
+def test_a_fully_masked_row_stays_uniform_with_the_mask_given_or_built_inside(
+    policy, form):
+  make_mask = ADDITIVE_MASKS[form]
 
-  def additive_mask(w, q, mask):  # a fill computed from an input
-    return jax.nn.softmax(q @ w + (1.0 - mask) * FLOAT32_MIN)
+  def given(q, k, mask):  # a float32 mask made by the caller
+    return jax.nn.softmax(q @ k.T + mask)
 
-  w, q = jnp.ones((3, 3)), jnp.ones((2, 3))
-  mask = jnp.array([[0.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
-  for fn, args in ((constant_fill, (w, q)), (additive_mask, (w, q, mask))):
-    expected = jax.jit(fn)(*args)
-    np.testing.assert_array_equal(
-        jax.jit(jaxmp.autocast(fn, policy))(*args), expected)
-  np.testing.assert_array_equal(
-      jaxmp.autocast(constant_fill, policy)(w, q), jnp.full((2, 3), 1 / 3))
+  def built_inside(q, k, keep):  # a fill constant of the function
+    return given(q, k, make_mask(keep))
+
+  def selected(q, k, keep):  # the fill selected, as Flax's attention does
+    return jax.nn.softmax(jnp.where(keep, q @ k.T, FLOAT32_MIN))
+
+  # Left padding and causal attention: the first query (a padding token)
+  # sees only padding, so its row is fully masked.
+  q = jax.random.normal(jax.random.key(0), (4, 8)).at[0].set(0.0)
+  k = jax.random.normal(jax.random.key(1), (5, 8))
+  keep = jnp.tril(jnp.ones((4, 5), bool), 1).at[0].set(False)
+  for fn, mask_or_keep in ((given, make_mask(keep)), (built_inside, keep),
+                           (selected, keep)):
+    expected = jax.jit(fn)(q, k, mask_or_keep)
+    np.testing.assert_array_equal(expected[0], jnp.full(5, 1 / 5))
+    fast = jaxmp.autocast(fn, policy)
+    for got in (fast(q, k, mask_or_keep), jax.jit(fast)(q, k, mask_or_keep)):
+      np.testing.assert_array_equal(got[0], expected[0])
+      np.testing.assert_allclose(got[1:], expected[1:], atol=0.03)
 
 
 @pytest.mark.parametrize("policy", HALF_POLICIES)

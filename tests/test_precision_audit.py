@@ -398,6 +398,45 @@ def test_a_model_without_its_own_dtype_fed_an_uncast_batch_is_not_blamed_on_a_dt
   assert {op.cause for op in report.ops if op.direction == "forward"} == {"mixed"}
 
 
+def reparameterize(key, mean, logvar):  # as in Flax's VAE example
+  eps = jax.random.normal(key, logvar.shape)  # float32: the default dtype
+  return mean + eps * jnp.exp(0.5 * logvar)
+
+
+class VAE(nn.Module):
+
+  @nn.compact
+  def __call__(self, x, key):
+    h = nn.relu(nn.Dense(8)(x))
+    mean, logvar = nn.Dense(2, name="mean")(h), nn.Dense(2, name="logvar")(h)
+    return nn.Dense(4, name="decoder")(reparameterize(key, mean, logvar))
+
+
+@pytest.mark.standard_promotion(
+    reason=USER_CODE_MIXES + ": as in Flax's VAE example, float32 noise meets the float16 mean")
+def test_a_float32_value_the_model_creates_is_the_cause_forward_and_backward():
+  model = VAE()
+  params = jax.jit(model.init)(jax.random.key(0), X, jax.random.key(1))["params"]
+  state = jaxmp.flax.TrainState.create(
+      apply_fn=model.apply, params=params, tx=optax.sgd(0.1), policy="mixed_float16")
+
+  def step(state, x, key):
+    def loss_fn(params, x, key):
+      recon = state.apply_fn({"params": params}, x, key)
+      return jnp.mean((recon.astype(jnp.float32) - x) ** 2)
+
+    return state.value_and_grad(loss_fn, audit=True)(state.params, x, key)
+
+  report = jaxmp.precision_report(step, state, X, jax.random.key(2))
+  wide = report.ops_outside("float16")
+  assert {(op.module, op.direction) for op in wide} == {
+      ("VAE/decoder", "forward"), ("VAE/decoder", "backward")}
+  assert len(wide) == 3 and report.flops_share("float32") == 3 * 128 / report.flops()
+  (cause, origin), = {(op.cause, op.captured) for op in wide}
+  assert cause == "created" and origin.startswith("random_bits at ")
+  assert at_line(origin.removeprefix("random_bits at "), reparameterize)
+
+
 def test_a_correct_float16_model_does_not_warn_nor_retrace_nor_transfer():
   state, _ = linen_state()
 

@@ -44,6 +44,8 @@ _MOVEMENTS = frozenset({
 # Operations whose input another operation computes, and which give that
 # operation their rule (see _Evaluator._shifts_before_exp).
 _FEEDING = {"exp": "sub", "exp2": "sub", "reduce_sum": "mul"}
+# How a mask meets the scores before a softmax: added, or selected.
+_MASKING = frozenset({"add", "select_n"})
 # Elementwise operations that broadcast size-1 dimensions of their inputs. A
 # flexible input they broadcast (a bias, a layer norm's scale) is broadcast to
 # the full shape before it is cast: the cast fuses into the operation, and the
@@ -272,18 +274,22 @@ class _Evaluator:
   def run_closed(self, closed, args, flags, stack):
     return self.run(closed.jaxpr, closed.consts, args, flags, stack)
 
-  def _shifts_before_exp(self, jaxpr) -> dict[Any, str]:
+  def _shifts_before_exp(self, jaxpr) -> dict[Any, tuple[str, bool]]:
     """The operations that compute the input of another: they take its rule.
 
     The ``sub`` whose result feeds ``exp`` (softmax's ``x - max(x)``), and
     the ``mul`` whose result a ``reduce_sum`` adds up (a norm's ``x * x``,
     through the cast to float32 that ``jnp`` puts before a half-precision
     sum), so that neither overflows before the rule of its consumer applies.
+    So do the ``add`` and ``select_n`` that compute ``x`` there, where a
+    flexible value meets the scores (a mask, given or a constant): a mask is
+    added in float32 whatever its value, and a fully masked row stays what
+    float32 makes it. Returns ``{id(eqn): (rule, only with a flexible input)}``.
     """
     producers = {
         eqn.outvars[0]: eqn
         for eqn in jaxpr.eqns
-        if eqn.primitive.name in _FEEDING.values()
+        if eqn.primitive.name in _MASKING.union(_FEEDING.values())
         or eqn.primitive.name == "convert_element_type"
     }
 
@@ -294,12 +300,23 @@ class _Evaluator:
       return eqn
 
     shifts = {}
+
+    def masks(atom, kind):
+      eqn = producer(atom)
+      if eqn is not None and eqn.primitive.name in _MASKING and id(eqn) not in shifts:
+        shifts[id(eqn)] = (kind, True)
+        for a in eqn.invars:
+          masks(a, kind)
+
     for eqn in jaxpr.eqns:
       name = eqn.primitive.name
       if name in _FEEDING:
         source = producer(eqn.invars[0])
         if source is not None and source.primitive.name == _FEEDING[name]:
-          shifts[id(source)] = self.table.get(name, "promote")
+          kind = self.table.get(name, "promote")
+          shifts[id(source)] = (kind, False)
+          if _FEEDING[name] == "sub":
+            masks(source.invars[0], kind)
     return shifts
 
   # -- One equation --------------------------------------------------------------
@@ -309,7 +326,11 @@ class _Evaluator:
     handler = _STRUCTURAL_HANDLERS.get(name)
     if handler is not None:
       return handler(self, eqn, values, flags, stack)
-    kind = shifts.get(id(eqn)) or self.table.get(name)
+    kind, flexible_only = shifts.get(id(eqn), (None, False))
+    if flexible_only and not any(
+        f for v, f in zip(values, flags) if _is_floating(jnp.result_type(v))):
+      kind = None
+    kind = kind or self.table.get(name)
     if kind is None:
       has_program = bool(jaxprs.inner_jaxprs(eqn.params))
       kind = "original" if has_program else "promote"
@@ -719,7 +740,8 @@ def autocast(
   softmax's ``x - max(x)``, ``reduce_sum`` ...) in float32, everything else
   in the widest dtype of its inputs, where the function's own inputs and
   captured constants take the dtype of the computed values they meet. A
-  constant is not narrowed into ``-inf``, ``inf`` or 0. Floating outputs are
+  constant is not narrowed into ``-inf``, ``inf`` or 0, and a mask that
+  meets a softmax's input is added in float32. Floating outputs are
   cast to ``policy.output_dtype``; each value is cast at most once per dtype.
   The result is an ordinary JAX function (``grad``, ``jit``, ``vmap``,
   ``checkpoint`` work on it), and autocast enters ``jit``, ``scan``,

@@ -64,7 +64,8 @@ DEFAULT_RULES: Mapping[str, str] = types.MappingProxyType(_table(
     ),
     float32=(
         # Exponentials and logarithms. The subtraction that computes the
-        # argument of exp/exp2 (softmax's x - max(x)) takes exp's rule too.
+        # argument of exp/exp2 (softmax's x - max(x)) takes exp's rule too,
+        # and so does the add or select of a mask that computes its x.
         "exp", "exp2", "expm1", "log", "log1p", "logistic", "reciprocal",
         # Powers and roots: x**3 overflows float16 from x = 40.
         "pow", "integer_pow", "square", "sqrt", "rsqrt", "cbrt",
@@ -171,7 +172,8 @@ def autocast_rules(overrides: Mapping[Any, str] | None = None) -> dict[str, str]
   * ``"float32"``: floating inputs in at least float32 (``exp``, ``log``,
     ``rsqrt``, ``reduce_sum``, ``cumsum`` ...). The subtraction that computes
     the argument of ``exp`` (the ``x - max(x)`` of softmax) follows ``exp``'s
-    rule;
+    rule, and so does an ``add`` or ``select_n`` that computes its ``x``
+    from an input or constant (an attention mask);
   * ``"promote"``: the widest floating input wins; the function's own inputs
     and captured constants (its params, its batch) take the dtype of the
     computed inputs they meet (``add``, ``mul``, ``reshape`` ...);

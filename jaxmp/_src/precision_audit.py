@@ -121,11 +121,13 @@ class PrecisionOp:
       messages (the innermost frame outside JAX), ``"file.py:12:4
       (function)"``; for a Flax layer, the layer's line in Flax.
     cause: for an op with a float32 (or float64) input, why it is wide, when
-      the trace shows it: ``"recast"``, ``"closure"`` or ``"mixed"`` (the
-      precision audit guide, ``docs/diagnostics.md``, says what each
-      means); ``""`` otherwise.
+      the trace shows it: ``"recast"``, ``"closure"``, ``"created"`` or
+      ``"mixed"`` (the precision audit guide, ``docs/diagnostics.md``, says
+      what each means); ``""`` otherwise.
     captured: for ``cause == "closure"``, the type of the captured array,
-      e.g. ``"float32[8,4]"``.
+      e.g. ``"float32[8,4]"``; for ``"created"``, the operation that began
+      the float32 value and its line, e.g. ``"random_bits at vae.py:12:8
+      (reparameterize)"``.
 
   Example:
     >>> import jax.numpy as jnp, jaxmp
@@ -438,9 +440,18 @@ class _Facts(NamedTuple):
   computed_from_recast: bool = False  # a wide value computed from a recast one
   captured: str = ""  # derived from a captured array: its type, e.g. float32[8]
   path: str = ""  # the argument it is read from (through moves and casts)
+  upcast: bool = False  # a 16-bit value cast up to float32
+  literal: bool = False  # a literal of the program (here or in an outer one)
+  # Made in the forward pass from no floating value but literals (random
+  # bits, iota, a fill): the operation that began it and its line.
+  made: str = ""
+  # A wide value computed from a made float32 value that met a 16-bit one:
+  # what ``made`` says of that value.
+  created: str = ""
 
 
 _NOTHING = _Facts()
+_LITERAL = _Facts(literal=True)
 
 
 def _merge(facts: list[_Facts], out_dtype: Any) -> _Facts:
@@ -449,19 +460,49 @@ def _merge(facts: list[_Facts], out_dtype: Any) -> _Facts:
     return _NOTHING
   return _Facts(
       computed_from_recast=any(f.recast or f.computed_from_recast for f in facts),
-      captured=next((f.captured for f in facts if f.captured), ""))
+      captured=next((f.captured for f in facts if f.captured), ""),
+      created=_created(facts))
+
+
+def _created(facts: list[_Facts], narrow: bool = False) -> str:
+  """The origin of a made float32 value that widened a 16-bit one (or of
+  one that did so before), among the inputs ``facts`` of an operation;
+  ``narrow``: a 16-bit input meets them directly (a mixed matmul)."""
+  made = next((f.made for f in facts if f.made), "")
+  return next((f.created for f in facts if f.created), "") or (
+      made if narrow or any(f.upcast for f in facts) else "")
+
+
+def _origin(eqn: Any, ins: list[_Facts], stack: Any, line: str) -> str:
+  """What makes ``eqn``'s outputs, if they are made of no floating value but
+  literals and made ones (see ``_Facts.made``); ``""`` otherwise."""
+  made = []
+  for atom, facts in zip(eqn.invars, ins):
+    if facts.made:
+      made.append(facts)
+    elif _is_float(atom.aval.dtype) and not facts.literal:
+      return ""
+  if made:  # random bits before a constant they are scaled by
+    return min(made, key=lambda f: f.literal).made
+  if "transpose" in jaxprs.name_parts(stack)[1]:
+    return ""  # the zeros and ones of autodiff are not the model's
+  return f"{eqn.primitive.name} at {line}"
 
 
 def _join(alternatives: list[_Facts]) -> _Facts:
   """The facts of a value that is one of several (the branches of a cond)."""
   paths = {f.path for f in alternatives}
   recasts = {f.recast for f in alternatives}
+  made = {f.made for f in alternatives}
   return _Facts(
       narrow_origin=all(f.narrow_origin for f in alternatives),
       recast=recasts.pop() if len(recasts) == 1 else "",
       computed_from_recast=any(f.computed_from_recast for f in alternatives),
       captured=next((f.captured for f in alternatives if f.captured), ""),
       path=paths.pop() if len(paths) == 1 else "",
+      upcast=all(f.upcast for f in alternatives),
+      made=made.pop() if len(made) == 1 else "",
+      created=next((f.created for f in alternatives if f.created), ""),
   )
 
 
@@ -509,25 +550,33 @@ def _repeats(eqn: Any) -> int:
 
 
 def _walk(jaxpr: Any, consts: list[_Facts], ins: list[_Facts], name_stack: Any,
-          repeats: int, ops: list[PrecisionOp]) -> list[_Facts]:
-  """The facts of ``jaxpr``'s outputs; appends its matmuls and convs to ``ops``."""
+          repeats: int, ops: list[PrecisionOp], line: str = "") -> list[_Facts]:
+  """The facts of ``jaxpr``'s outputs; appends its matmuls and convs to ``ops``.
+  ``line``: the source line of the equation that holds ``jaxpr``."""
 
   def rule(eqn, ins, stack):
     name = eqn.primitive.name
+    here = jaxprs.source_line(eqn) or line  # a jit's inside has no user line
     if name in (DOT, CONV):
       ops.append(_record(eqn, ins, stack, repeats))
     subs = jaxprs.inner_jaxprs(eqn.params)
     if subs:
-      return _walk_inner(eqn, subs, ins, stack, repeats * _repeats(eqn), ops)
+      return _walk_inner(eqn, subs, ins, stack, repeats * _repeats(eqn), ops, here)
     if name == "convert_element_type":
-      return [_convert(ins[0], eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype)]
-    if name in _MOVES and eqn.invars:
-      return [ins[0]] * len(eqn.outvars)
-    if name in _PASS_THROUGH and len(eqn.invars) == len(eqn.outvars):
+      outs = [_convert(ins[0], eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype)]
+    elif name in _MOVES and eqn.invars:
+      outs = [ins[0]] * len(eqn.outvars)
+    elif name in _PASS_THROUGH and len(eqn.invars) == len(eqn.outvars):
       return ins
-    return [_merge(ins, v.aval.dtype) for v in eqn.outvars]
+    else:
+      outs = [_merge(ins, v.aval.dtype) for v in eqn.outvars]
+    made = _origin(eqn, ins, stack, here)
+    constant = all(f.literal for f in ins)
+    return [f._replace(made=made, literal=constant)
+            if made and not _is_narrow_float(v.aval.dtype) else f
+            for f, v in zip(outs, eqn.outvars)]
 
-  return jaxprs.evaluate(jaxpr, consts, ins, rule, literal=lambda _: _NOTHING,
+  return jaxprs.evaluate(jaxpr, consts, ins, rule, literal=lambda _: _LITERAL,
                          name_stack=name_stack)
 
 
@@ -537,13 +586,13 @@ def _convert(facts: _Facts, source: Any, target: Any) -> _Facts:
                   path=facts.path)
   if _is_wide_float(target) and _is_narrow_float(source):
     recast = np.dtype(source).name if facts.narrow_origin else ""
-    return _Facts(recast=recast, path=facts.path)
+    return _Facts(recast=recast, path=facts.path, upcast=True)
   if _is_wide_float(target) and _is_wide_float(source):
     return facts
   return _merge([facts], target)
 
 
-def _walk_inner(eqn, subs, ins, stack, repeats, ops) -> list[_Facts]:
+def _walk_inner(eqn, subs, ins, stack, repeats, ops, line) -> list[_Facts]:
   results = []
   for sub in subs:
     # Inner inputs are the eqn's last inputs, one for one (a cond's first
@@ -554,7 +603,7 @@ def _walk_inner(eqn, subs, ins, stack, repeats, ops) -> list[_Facts]:
         and eqn.invars[offset + i].aval.dtype == var.aval.dtype else _NOTHING
         for i, var in enumerate(sub.invars)]
     outs = _walk(sub, [_constant_facts(v) for v in sub.constvars], args, stack,
-                 repeats, ops)
+                 repeats, ops, line)
     if len(outs) == len(eqn.outvars):
       results.append(outs)
   if results:
@@ -590,10 +639,13 @@ def _record(eqn, ins, stack, repeats) -> PrecisionOp:
     declared_recast = recast or (
         any(f.computed_from_recast for f in wide)
         and not any(f.path and not f.recast for f in wide))
+    created = _created(wide, any(_is_narrow_float(dtype) for dtype in dtypes))
     if declares_wide and declared_recast:  # the module's own dtype, first
       cause, captured = "recast", ""
     elif captured:
       cause = "closure"
+    elif created:
+      cause, captured = "created", created
     elif recast and declares_wide is None:
       cause = "recast"
     elif recast or any(_is_narrow_float(dtype) for dtype in dtypes):
@@ -710,7 +762,7 @@ def _warning_text(report: PrecisionReport, compute_dtype: Any) -> str | None:
       f"TrainState.value_and_grad(audit=True): the policy computes in "
       f"{dtype.name}, but only {100 * inside / total:.0f}% of the matmul and "
       f"convolution FLOPs of the loss function run in it ({elsewhere}):"]
-  for cause in ("closure", "recast", "mixed", ""):
+  for cause in ("closure", "recast", "created", "mixed", ""):
     hit = [op for op in outside if op.cause == cause]
     if hit:
       captured = ", ".join(dict.fromkeys(op.captured for op in hit if op.captured))
