@@ -1179,6 +1179,10 @@ FALLBACK_CASES = [
          lambda: jaxmp.switch_precision(float16_state(), "p=bf16,c=bf16,o=f32"),
          ValueError, r"stores the params in other dtypes .*float32 now, bfloat16",
          r"the policies of a ladder share their param_dtype"),
+    Case("switch_precision: (params, opt_state) to a policy that stores bfloat16",
+         lambda: jaxmp.switch_precision((PARAMS, STATE), "bf16"),
+         ValueError, r"stores the params in other dtypes .*\[0\]\['b'\]: "
+         r"float32 now, bfloat16", r"the policies of a ladder share their param_dtype"),
     Case("switch_precision: an nnx.Optimizer without its model",
          lambda: jaxmp.switch_precision(nnx_optimizer()[1], "float32"), TypeError,
          r"an nnx\.Optimizer needs its model.*got model=None",

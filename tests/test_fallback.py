@@ -303,6 +303,19 @@ def test_a_second_switch_to_the_same_policy_changes_nothing(framework):
   assert getattr(again, "apply_fn", None) == kept[2]
 
 
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_policy_that_would_store_the_params_in_16_bits_is_refused(framework):
+  # The switch keeps the float32 params bit-identical; "bf16" would store
+  # them in bfloat16: refused for every kind of target, which stays as it was.
+  target, model = _overflowed(framework)
+  opt_state, kept = _opt_state(target), _kept(target, model)
+  with pytest.raises(ValueError):
+    jaxmp.switch_precision(target, "bf16", model=model)
+  assert _opt_state(target) is opt_state
+  _same_arrays(_kept(target, model), kept)
+  _assert_in("mixed_float16", target, model)
+
+
 @pytest.mark.parametrize("framework", ["train_state", "nnx"])  # they hold the tx
 def test_an_optimizer_built_afresh_after_a_switch_has_the_switched_structure(framework):
   target, model = _overflowed(framework)
