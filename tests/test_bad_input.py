@@ -929,6 +929,12 @@ def save_plain_orbax(path):
   checkpointer.wait_until_finished()
 
 
+def save_twice():
+  with tempfile.TemporaryDirectory() as folder:
+    jaxmp.flax.save_checkpoint(os.path.join(folder, "step_1"), STATE)
+    jaxmp.flax.save_checkpoint(os.path.join(folder, "step_1"), STATE)
+
+
 WIDE = {"w": jnp.ones(3), "b": jnp.ones(1)}
 FLAX_CASES = [
     Case("TrainState.create: tx is None",
@@ -951,6 +957,10 @@ FLAX_CASES = [
          keep_on_skip_live_nnx_variables, ValueError,
          r"the old value holds the model's own NNX variables",
          r"Take a copy before the step: old = jax\.tree\.map"),
+    Case("save_checkpoint: onto an existing checkpoint without force=True",
+         save_twice, ValueError, r"step_1 already exists",
+         r"Pass force=True to overwrite it: .*replaces it only once complete "
+         r"\(an atomic rename\)"),
     Case("restore_checkpoint: no such directory",
          lambda: jaxmp.flax.restore_checkpoint("/nonexistent/step_1", STATE),
          FileNotFoundError, r"there is no checkpoint at /nonexistent/step_1",
