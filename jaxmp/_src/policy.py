@@ -330,7 +330,8 @@ class Policy:
     It casts ``variables["params"]`` and the floating inputs (not token
     ids) to the compute dtype, and the output to the output dtype (with
     ``mutable=[...]``, only the output, not the updated collections). A
-    layer's own ``dtype=`` still wins inside the model (see
+    Linen layer's own ``dtype=`` still wins inside the model, and is
+    reported with a :class:`jaxmp.PrecisionWarning` once per trace (see
     :class:`jaxmp.flax.ModulePolicy`, ``override_dtype=True``).
 
     Args:

@@ -78,7 +78,9 @@ class PrecisionWarning(UserWarning):
   """A half-precision policy that does not take effect: the matmuls run in float32.
 
   :meth:`jaxmp.flax.TrainState.value_and_grad` with ``audit=True`` raises it
-  at trace time (once per compilation), naming the cause and the layers.
+  at trace time (once per compilation), naming the cause and the layers; a
+  wrapped Linen apply (``policy.wrap_apply``, ``state.apply_fn``) raises it
+  for each trace in which a module's own ``dtype=`` wins over the policy.
   Filter or escalate it with the :mod:`warnings` module.
 
   Example:
