@@ -1223,6 +1223,15 @@ FALLBACK_CASES = [
              "mixed_float16"),
          ValueError, r"the model's inputs already hold inf or nan",
          r"jaxmp\.nonfinite_paths\(batch\)"),
+    Case("OverflowReport.propose_policy: an overflow that float32 does not fix",
+         lambda: jaxmp.flax.find_overflowing_modules(
+             jaxmp.get_policy("mixed_float16").wrap_apply(Wide().apply),
+             {"params": {"head": {"kernel": jnp.full((2, 2), 3e38),
+                                  "bias": jnp.zeros(2)}}},
+             jnp.ones((1, 2))).propose_policy("mixed_float16"),
+         ValueError, r"which promotes 'head' to float32, the forward pass on the "
+         r"report's batch still produces inf or nan in 'head'",
+         r"Fall back to a wider policy"),
     Case("OverflowReport.propose_policy: a PathPolicy",
          lambda: overflow_report(jnp.full((1, 2), 1e5)).propose_policy(
              jaxmp.PathPolicy({"head": "float32"}, default="mixed_float16")),

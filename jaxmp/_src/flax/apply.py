@@ -22,8 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxmp._src.precision_audit import PrecisionWarning
-from jaxmp._src.validation import listing
+from jaxmp._src.validation import PrecisionWarning, listing
 
 
 def cast_apply_output(io_policy: Any, result: Any,

@@ -115,6 +115,24 @@ def _as_module_policy(policy: Any) -> ModulePolicy:
 
 def _switch_nnx(optimizer: nnx.Optimizer, policy: Any, loss_scale: Any,
                 model: Any) -> nnx.Optimizer:
+  dropped = set_model_policy(model, policy)
+  if dropped:
+    warnings.warn(
+        f"switch_precision: the policy {policy} runs {len(dropped)} layer(s) "
+        f"that had FP8 matmuls without them ({listing(repr(p) for p in dropped)}): their FP8 "
+        "ops, and the jaxmp.flax.Fp8Meta in them, are removed from the model, "
+        "which computes those matmuls in the new policy's dtype.",
+        UserWarning, stacklevel=3)
+  if loss_scale is not None:
+    optimizer.opt_state = with_loss_scale(optimizer.opt_state, loss_scale)
+    optimizer.tx = with_initial_loss_scale(optimizer.tx, loss_scale)
+  return optimizer
+
+
+def set_model_policy(model: nnx.Module, policy: Any) -> list[str]:
+  """Sets the dtypes (and FP8 ops) of an NNX model's modules to ``policy``'s,
+  keeping the FP8 ops (and meta) of the layers that stay in FP8; returns the
+  paths of those whose FP8 op came off. On an error the model is unchanged."""
   module_policy = _as_module_policy(policy)
   declared = [(module, module.dtype) for _, module in nnx.iter_modules(model)
               if hasattr(module, "dtype")]
@@ -138,14 +156,4 @@ def _switch_nnx(optimizer: nnx.Optimizer, policy: Any, loss_scale: Any,
       reattach_fp8_op(module, attribute, op)
     else:
       dropped.append(path)
-  if dropped:
-    warnings.warn(
-        f"switch_precision: the policy {policy} runs {len(dropped)} layer(s) "
-        f"that had FP8 matmuls without them ({listing(repr(p) for p in dropped)}): their FP8 "
-        "ops, and the jaxmp.flax.Fp8Meta in them, are removed from the model, "
-        "which computes those matmuls in the new policy's dtype.",
-        UserWarning, stacklevel=3)
-  if loss_scale is not None:
-    optimizer.opt_state = with_loss_scale(optimizer.opt_state, loss_scale)
-    optimizer.tx = with_initial_loss_scale(optimizer.tx, loss_scale)
-  return optimizer
+  return dropped
