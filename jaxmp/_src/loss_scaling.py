@@ -260,23 +260,35 @@ class _Keyed:
     return hash(self._key)
 
 
-def value_key(x: Any) -> Any:
+class _Same:
+  """A key part equal only to one holding the same object."""
+
+  def __init__(self, x: Any):
+    self.x = x
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _Same) and other.x is self.x
+
+  def __hash__(self) -> int:
+    return id(self.x)
+
+
+def _key_part(x: Any) -> Any:
   """``x`` as a key part: by its own equality where it holds no tracer and
-  is hashable, else by identity (the transformation keeps ``x`` alive)."""
-  if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(x)):
-    return ("identity", id(x))
+  is hashable (a loss scale by its value), else by identity."""
   try:
     hash(x)
   except TypeError:
-    return ("identity", id(x))
-  return x
+    return _Same(x)
+  traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(x))
+  return _Same(x) if traced else x
 
 
 def keyed_transformation(init_fn: Any, update_fn: Any, *key: Any
                          ) -> optax.GradientTransformationExtraArgs:
   """``GradientTransformationExtraArgs(init_fn, update_fn)``, equal to any
   other built from an equal ``key`` (see :class:`_Keyed`)."""
-  key = tuple(value_key(part) for part in key)
+  key = tuple(_key_part(part) for part in key)
   return optax.GradientTransformationExtraArgs(
       _Keyed(init_fn, ("init", *key)), _Keyed(update_fn, ("update", *key)))
 
