@@ -973,6 +973,12 @@ def save_plain_orbax(path):
   checkpointer.wait_until_finished()
 
 
+def save_twice():
+  with tempfile.TemporaryDirectory() as folder:
+    jaxmp.flax.save_checkpoint(os.path.join(folder, "step_1"), STATE)
+    jaxmp.flax.save_checkpoint(os.path.join(folder, "step_1"), STATE)
+
+
 WIDE = {"w": jnp.ones(3), "b": jnp.ones(1)}
 FLAX_CASES = [
     Case("TrainState.create: tx is None",
@@ -995,6 +1001,10 @@ FLAX_CASES = [
          keep_on_skip_live_nnx_variables, ValueError,
          r"the old value holds the model's own NNX variables",
          r"Take a copy before the step: old = jax\.tree\.map"),
+    Case("save_checkpoint: onto an existing checkpoint without force=True",
+         save_twice, ValueError, r"step_1 already exists",
+         r"Pass force=True to overwrite it: .*replaces it only once complete "
+         r"\(an atomic rename\)"),
     Case("restore_checkpoint: no such directory",
          lambda: jaxmp.flax.restore_checkpoint("/nonexistent/step_1", STATE),
          FileNotFoundError, r"there is no checkpoint at /nonexistent/step_1",
@@ -1223,6 +1233,10 @@ FALLBACK_CASES = [
          lambda: jaxmp.switch_precision(float16_state(), "p=bf16,c=bf16,o=f32"),
          ValueError, r"stores the params in other dtypes .*float32 now, bfloat16",
          r"the policies of a ladder share their param_dtype"),
+    Case("switch_precision: (params, opt_state) to a policy that stores bfloat16",
+         lambda: jaxmp.switch_precision((PARAMS, STATE), "bf16"),
+         ValueError, r"stores the params in other dtypes .*\[0\]\['b'\]: "
+         r"float32 now, bfloat16", r"the policies of a ladder share their param_dtype"),
     Case("switch_precision: an nnx.Optimizer without its model",
          lambda: jaxmp.switch_precision(nnx_optimizer()[1], "float32"), TypeError,
          r"an nnx\.Optimizer needs its model.*got model=None",
@@ -1253,6 +1267,15 @@ FALLBACK_CASES = [
              "mixed_float16"),
          ValueError, r"the model's inputs already hold inf or nan",
          r"jaxmp\.nonfinite_paths\(batch\)"),
+    Case("OverflowReport.propose_policy: an overflow that float32 does not fix",
+         lambda: jaxmp.flax.find_overflowing_modules(
+             jaxmp.get_policy("mixed_float16").wrap_apply(Wide().apply),
+             {"params": {"head": {"kernel": jnp.full((2, 2), 3e38),
+                                  "bias": jnp.zeros(2)}}},
+             jnp.ones((1, 2))).propose_policy("mixed_float16"),
+         ValueError, r"which promotes 'head' to float32, the forward pass on the "
+         r"report's batch still produces inf or nan in 'head'",
+         r"Fall back to a wider policy"),
     Case("OverflowReport.propose_policy: a PathPolicy",
          lambda: overflow_report(jnp.full((1, 2), 1e5)).propose_policy(
              jaxmp.PathPolicy({"head": "float32"}, default="mixed_float16")),

@@ -303,6 +303,19 @@ def test_a_second_switch_to_the_same_policy_changes_nothing(framework):
   assert getattr(again, "apply_fn", None) == kept[2]
 
 
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_policy_that_would_store_the_params_in_16_bits_is_refused(framework):
+  # The switch keeps the float32 params bit-identical; "bf16" would store
+  # them in bfloat16: refused for every kind of target, which stays as it was.
+  target, model = _overflowed(framework)
+  opt_state, kept = _opt_state(target), _kept(target, model)
+  with pytest.raises(ValueError):
+    jaxmp.switch_precision(target, "bf16", model=model)
+  assert _opt_state(target) is opt_state
+  _same_arrays(_kept(target, model), kept)
+  _assert_in("mixed_float16", target, model)
+
+
 @pytest.mark.parametrize("framework", ["train_state", "nnx"])  # they hold the tx
 def test_an_optimizer_built_afresh_after_a_switch_has_the_switched_structure(framework):
   target, model = _overflowed(framework)
@@ -712,6 +725,50 @@ def test_only_the_overflowing_module_is_promoted_and_training_then_skips_nothing
   assert _dot_dtypes(*forward(target)) == [("float16", "float16"),
                                            ("float32", "float32")]
   assert jaxmp.flax.find_overflowing_modules(*forward(target)).modules == ()
+
+
+class FeedsAFloat16Head(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(4, name="body", kernel_init=nn.initializers.constant(3e4))(x)
+    return nn.Dense(2, name="head")(h)
+
+
+class NnxFeedsAFloat16Head(nnx.Module):
+
+  def __init__(self, rngs):
+    self.body = nnx.Linear(3, 4, kernel_init=nnx.initializers.constant(3e4), rngs=rngs)
+    self.head = nnx.Linear(4, 2, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(self.body(x))
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx"])
+def test_the_proposed_policy_runs_finite_on_the_batch_it_was_built_from(framework):
+  # body's float16 output (9e4) overflows; promoted to float32, that output
+  # overflows the float16 head it feeds, which the proposal promotes too.
+  x = jnp.ones((1, 3))
+  if framework == "linen":
+    variables = FeedsAFloat16Head().init(jax.random.key(0), x)
+    forward = lambda policy: (policy.wrap_apply(FeedsAFloat16Head().apply), variables, x)
+  else:
+    model = NnxFeedsAFloat16Head(nnx.Rngs(0))
+
+    def forward(policy):
+      policy.set_nnx_dtypes(model)
+      return model, x
+
+  report = jaxmp.flax.find_overflowing_modules(
+      *forward(jaxmp.flax.ModulePolicy({}, default="mixed_float16")))
+  assert report.modules == ("body",)
+  policy = report.propose_policy("mixed_float16")
+  assert policy == jaxmp.flax.ModulePolicy(
+      {"body": "float32", "head": "float32"}, default="mixed_float16",
+      override_dtype=True)
+  call, *args = forward(policy)
+  assert bool(jnp.all(jnp.isfinite(call(*args))))
 
 
 def test_the_innermost_producer_is_reported_however_deep():

@@ -150,6 +150,30 @@ def test_no_retrace_and_policy_is_static():
   assert state.step.dtype == jnp.int32
 
 
+@pytest.mark.parametrize("policy", [
+    "mixed_float16",
+    jaxmp.PathPolicy({"^Dense_1/": "float32"}, default="mixed_float16"),
+    jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_float16")],
+    ids=["policy", "path_policy", "module_policy"])
+def test_a_state_created_twice_is_one_pytree_structure(policy):
+  # As with Flax's TrainState, the static fields (apply_fn, tx, policy)
+  # compare by value (the model and the optimizer built once, as in Flax):
+  # a restore target from jax.eval_shape maps over the state, and a second
+  # state runs the same compiled step.
+  model, tx = MLP(), optax.adam(1e-2)
+  make = lambda: jaxmp.flax.TrainState.create(
+      apply_fn=model.apply, params=model.init(jax.random.key(0), jnp.ones((1, 4)))[
+          "params"], tx=tx, policy=policy)
+  state, again = make(), make()
+  assert jax.tree_util.tree_structure(state) == jax.tree_util.tree_structure(again)
+  assert hash(jax.tree_util.tree_structure(state)) == hash(
+      jax.tree_util.tree_structure(again))
+  jax.tree.map(lambda a, b: a, state, jax.eval_shape(make))
+  traces = []
+  step = jax.jit(lambda s: traces.append(s) or s.step + 1)
+  assert int(step(state)) == int(step(again)) == 1 and len(traces) == 1
+
+
 def test_create_defaults_and_errors():
   assert isinstance(make_state("mixed_float16", loss_scale=None).loss_scale,
                     jaxmp.DynamicLossScale)

@@ -153,6 +153,28 @@ def test_jitted_step_needs_no_host_transfer():
   assert int(metrics["skipped_steps"]) == 0
 
 
+@pytest.mark.parametrize("wrap", [
+    jaxmp.loss_scaling, lambda tx, ls: jaxmp.multi_steps(tx, ls, 4)],
+    ids=["loss_scaling", "multi_steps"])
+def test_equal_arguments_give_equal_transformations(wrap):
+  # As Flax compares a TrainState's tx: a pytree holding the wrapper as
+  # static data has one structure, however often it is built.
+  tx = optax.adam(1e-3)
+  a, b = wrap(tx, jaxmp.DynamicLossScale()), wrap(tx, jaxmp.DynamicLossScale())
+  assert a == b and hash(a) == hash(b)
+  assert a != wrap(tx, jaxmp.DynamicLossScale(2.0**10))
+  assert a != wrap(tx, jaxmp.DynamicLossScale(period=7))
+  assert a != wrap(optax.adam(1e-3), jaxmp.DynamicLossScale())  # another inner tx
+
+  @jax.jit
+  def traced(scale):  # a loss scale of traced values compares by identity
+    ls = jaxmp.StaticLossScale(scale)
+    assert wrap(tx, ls) == wrap(tx, ls) != wrap(tx, jaxmp.StaticLossScale(scale))
+    return scale
+
+  traced(jnp.float32(2.0))
+
+
 def test_extra_args_are_passed_through():
   seen = {}
 

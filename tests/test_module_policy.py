@@ -554,6 +554,59 @@ def test_a_rule_that_a_declared_dtype_defeats_warns_once_per_trace_naming_the_mo
       jax.make_jaxpr(fine.wrap_apply(model.apply))({"params": params}, x)
 
 
+class DeclaredFloat32Head(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(8, name="body")(x))
+    return nn.Dense(4, dtype=jnp.float32, name="head")(x)
+
+
+@pytest.mark.parametrize("policy", [
+    "mixed_float16",
+    jaxmp.PathPolicy({"^body/": "mixed_float16"}, default="mixed_float16"),
+    jaxmp.flax.ModulePolicy({}, default="mixed_float16")],
+    ids=["policy", "path_policy", "module_policy"])
+def test_a_declared_dtype_the_policy_does_not_override_is_reported_once_per_trace(policy):
+  # Overridden or reported, never silently kept: the wrapped apply sees every
+  # module as it is traced, so the report costs no trace of its own.
+  model, x = DeclaredFloat32Head(), jnp.ones((2, 3))
+  params = model.init(jax.random.key(0), x)["params"]
+  traces = []
+
+  def step_of(**kwargs):
+    state = jaxmp.flax.TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.sgd(0.1), **kwargs)
+
+    def step(state, x):
+      def loss_fn(p, x):
+        traces.append(None)
+        return jnp.mean(state.apply_fn({"params": p}, x) ** 2)
+      return state.value_and_grad(loss_fn)(state.params, x)
+
+    return functools.partial(jax.jit(step), state)
+
+  step = step_of(policy=policy)
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("always")
+    step(x)
+    step(x)  # no new trace: no new report
+  message, = [str(w.message) for w in record
+              if issubclass(w.category, jaxmp.PrecisionWarning)]
+  assert len(traces) == 1
+  assert "'head' declares dtype=float32, its policy computes in float16" in message
+  assert "Drop dtype=" in message and "ModulePolicy({'head': 'float32'}" in message
+  # Kept on purpose by a rule, overridden, or autocast: nothing to report.
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", jaxmp.PrecisionWarning)
+    for kwargs in (
+        {"policy": jaxmp.flax.ModulePolicy({"head": "float32"}, default="mixed_float16")},
+        {"policy": jaxmp.PathPolicy({"^head/": "float32"}, default="mixed_float16")},
+        {"policy": jaxmp.flax.ModulePolicy({}, default="mixed_float16", override_dtype=True)},
+        {"policy": policy, "autocast": True} if policy == "mixed_float16" else {}):
+      step_of(**kwargs)(x)
+
+
 # The policy's fields: each module that gets them runs as a copy.
 
 

@@ -402,3 +402,40 @@ def test_pmap_inf_on_one_replica(axis_name):
   monitor.update(1, new_state)
   assert monitor.history["skipped_steps"] == [1]
   assert monitor.history["last_finite"] == [False]
+
+
+# --- a sharded TrainState, built the Flax way --------------------------------
+
+
+def test_a_train_state_is_sharded_as_flax_examples_build_it(mesh):
+  # Flax's lm1b example (after MaxText): the shardings come from jax.eval_shape
+  # of the state, the state from jax.jit(..., out_shardings=...); the two
+  # calls of make_state must give one pytree structure.
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import jaxmp.flax  # pylint: disable=g-import-not-at-top
+
+  init = nn.initializers.lecun_normal()
+
+  class Mlp(nn.Module):
+
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(32, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
+      return nn.Dense(8, kernel_init=nn.with_logical_partitioning(init, ("mlp", "embed")))(x)
+
+  model, tx, x = Mlp(), optax.adam(1e-3), jnp.ones((8, 16))
+
+  def make_state(key):
+    return jaxmp.flax.TrainState.create(
+        apply_fn=model.apply, params=model.init(key, x)["params"], tx=tx,
+        policy="mixed_float16")
+
+  specs = nn.get_partition_spec(jax.eval_shape(make_state, jax.random.key(0)))
+  shardings = nn.logical_to_mesh_sharding(specs, mesh, (("embed", "data"), ("mlp", "fsdp")))
+  with jax.set_mesh(mesh):
+    state = jax.jit(make_state, out_shardings=shardings)(jax.random.key(0))
+  kernel = state.params["Dense_0"]["kernel"].value
+  assert kernel.sharding.spec == P("data", "fsdp") and len(kernel.addressable_shards) == 8
+  mu = state.opt_state.inner_state[0].mu["Dense_1"]["kernel"].value
+  assert mu.sharding.spec == P("fsdp", "data")  # the moments like the params
+  assert state.opt_state.loss_scale.loss_scale.sharding.is_fully_replicated

@@ -16,6 +16,7 @@ from jaxmp._src.loss_scaling import (
     check_guard_options,
     clip_and_check,
     global_norm_and_finite,
+    keyed_transformation,
     step_or_skip,
     wrap_with_loss_scaling,
 )
@@ -195,7 +196,9 @@ def multi_steps(
     )
     return updates, new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return keyed_transformation(init_fn, update_fn, OWNER, inner, loss_scale,
+                              every_k_schedule, axis_name, clip_global_norm,
+                              guard, use_grad_mean)
 
 
 def _accumulator_dtype(param: Any) -> Any:

@@ -34,6 +34,7 @@ from jaxmp._src.hardware import HardwareReport, hardware_report
 from jaxmp._src.loss_scale import LossScale, NoOpLossScale
 from jaxmp._src.loss_scaling import (
     get_loss_scale,
+    _is_optax_state,
     loss_scaling_metrics,
     with_loss_scale,
 )
@@ -77,7 +78,8 @@ class PrecisionSwitch(NamedTuple):
 
 
 def _flax_switch(target: Any) -> Any:
-  """How a Flax training state switches (a TrainState, an nnx.Optimizer), or None.
+  """``(params_of, switch)`` of a Flax training state (a TrainState, an
+  nnx.Optimizer), or None.
 
   Flax is imported here only when ``target`` is a Flax object, so Flax is
   installed: ``import jaxmp`` never imports it, and no import registers
@@ -88,6 +90,37 @@ def _flax_switch(target: Any) -> Any:
   from jaxmp._src.flax.switch import switch_of  # pylint: disable=g-import-not-at-top
 
   return switch_of(target)
+
+
+def _params_of(target: Any, model: Any) -> Any:
+  """The params a switch keeps: a Flax state's, or those of a pytree such as
+  ``(params, opt_state)``, its leaves outside the optimizer state."""
+  flax = _flax_switch(target)
+  if flax is not None:
+    return flax[0](target, model)
+  if model is not None:
+    raise TypeError(
+        "switch_precision: model= is for an nnx.Optimizer, whose model holds "
+        f"the dtypes; a {type(target).__name__} takes no model."
+    )
+  return jax.tree_util.tree_map(
+      lambda x: None if _is_optax_state(x) else x, target, is_leaf=_is_optax_state)
+
+
+def _check_storage_dtypes(params: Any, policy: Any) -> None:
+  """Refuses a policy that would store the params in other dtypes."""
+  stored = jax.eval_shape(policy.params_for_storage, params)
+  for (path, old), new in zip(jax.tree_util.tree_leaves_with_path(params),
+                              jax.tree_util.tree_leaves(stored)):
+    old_dtype = getattr(old, "dtype", None)
+    if old_dtype is not None and np.dtype(old_dtype) != np.dtype(new.dtype):
+      raise ValueError(
+          f"switch_precision: the policy {policy} stores the params in other "
+          f"dtypes than the state holds (at {jax.tree_util.keystr(path)}: "
+          f"{np.dtype(old_dtype)} now, {np.dtype(new.dtype)} under the new "
+          "policy). A switch keeps the params bit-identical, so the policies "
+          "of a ladder share their param_dtype (float32 master params)."
+      )
 
 
 def _current_loss_scale(target: Any) -> LossScale:
@@ -128,7 +161,10 @@ def switch_precision(target: Any, policy: Any, *, model: Any = None) -> Any:
   :class:`jaxmp.NoOpLossScale` when ``policy`` needs no loss scaling
   (``float32``, ``mixed_bfloat16``); it is kept as it is when ``policy`` does
   (a :class:`jaxmp.flax.ModulePolicy` that keeps some modules in float32 and
-  the rest in float16). Call it outside ``jit``; a jitted step that takes the
+  the rest in float16). The params stay as they are, so a policy that would
+  store them in other dtypes is refused, whatever the target (the params of
+  ``(params, opt_state)`` are its leaves outside the optimizer state). Call it
+  outside ``jit``; a jitted step that takes the
   switched state (or, for a plain optax loop, the policy as a static
   argument) compiles once more, and then never again.
 
@@ -182,14 +218,10 @@ def switch_precision(target: Any, policy: Any, *, model: Any = None) -> Any:
   policy = as_policy(policy)
   policy.io_policy  # pylint: disable=pointless-statement  # raises without a default
   loss_scale = _next_loss_scale(_current_loss_scale(target), policy)
-  switch = _flax_switch(target)
-  if switch is not None:
-    return switch(target, policy, loss_scale, model)
-  if model is not None:
-    raise TypeError(
-        "switch_precision: model= is for an nnx.Optimizer, whose model holds "
-        f"the dtypes; a {type(target).__name__} takes no model."
-    )
+  _check_storage_dtypes(_params_of(target, model), policy)
+  flax = _flax_switch(target)
+  if flax is not None:
+    return flax[1](target, policy, loss_scale, model)
   return target if loss_scale is None else with_loss_scale(target, loss_scale)
 
 

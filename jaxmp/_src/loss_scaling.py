@@ -242,7 +242,62 @@ def wrap_with_loss_scaling(
     )
     return updates, new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return keyed_transformation(init_fn, update_fn, owner, inner, loss_scale,
+                              axis_name, clip_global_norm, guard)
+
+
+class _Keyed:
+  """A function that compares and hashes by the arguments it was built from.
+
+  Two transformations built from equal arguments then compare equal, so a
+  pytree that holds one as static data (a TrainState's ``tx``) has the same
+  structure whenever it is built, as Flax's own TrainState has.
+  """
+
+  def __init__(self, fn: Any, key: tuple[Any, ...]):
+    self._fn, self._key = fn, key
+
+  def __call__(self, *args, **kwargs):
+    return self._fn(*args, **kwargs)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _Keyed) and self._key == other._key
+
+  def __hash__(self) -> int:
+    return hash(self._key)
+
+
+class _Same:
+  """A key part equal only to one holding the same object."""
+
+  def __init__(self, x: Any):
+    self.x = x
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _Same) and other.x is self.x
+
+  def __hash__(self) -> int:
+    return id(self.x)
+
+
+def _key_part(x: Any) -> Any:
+  """``x`` as a key part: by its own equality where it holds no tracer and
+  is hashable (a loss scale by its value), else by identity."""
+  try:
+    hash(x)
+  except TypeError:
+    return _Same(x)
+  traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(x))
+  return _Same(x) if traced else x
+
+
+def keyed_transformation(init_fn: Any, update_fn: Any, *key: Any
+                         ) -> optax.GradientTransformationExtraArgs:
+  """``GradientTransformationExtraArgs(init_fn, update_fn)``, equal to any
+  other built from an equal ``key`` (see :class:`_Keyed`)."""
+  key = tuple(_key_part(part) for part in key)
+  return optax.GradientTransformationExtraArgs(
+      _Keyed(init_fn, ("init", *key)), _Keyed(update_fn, ("update", *key)))
 
 
 # Flax keeps the FP8 meta (scales, amax histories) in this collection; its
@@ -676,7 +731,7 @@ def with_initial_loss_scale(
   optimizer has the structure of the switched state.
   """
   device_scale = _to_device_state(loss_scale)
-  return optax.GradientTransformationExtraArgs(
+  return keyed_transformation(
       lambda params: with_loss_scale(tx.init(params), device_scale),
-      optax.with_extra_args_support(tx).update,
-  )
+      optax.with_extra_args_support(tx).update, "with_initial_loss_scale",
+      tx, loss_scale)

@@ -250,7 +250,9 @@ class Policy:
 
     The params and the floating inputs (not token ids) are cast to the
     compute dtype, the output to the output dtype (with ``mutable=[...]``,
-    not the updated collections). A layer's own ``dtype=`` still wins (see
+    not the updated collections). A Linen layer's own ``dtype=`` still wins
+    inside the model, and is reported with a :class:`jaxmp.PrecisionWarning`
+    once per trace (see
     :class:`jaxmp.flax.ModulePolicy`, ``override_dtype=True``).
 
     Example:

@@ -33,7 +33,7 @@ import numpy as np
 
 from jaxmp._src import jaxpr as jaxprs
 from jaxmp._src.policy import parse_dtype
-from jaxmp._src.validation import caller_stacklevel, listing
+from jaxmp._src.validation import PrecisionWarning, caller_stacklevel, listing
 
 DOT = "dot_general"
 CONV = "conv_general_dilated"
@@ -72,22 +72,6 @@ def _is_narrow_float(dtype: Any) -> bool:
 def _is_wide_float(dtype: Any) -> bool:
   """float32 and float64."""
   return _is_float(dtype) and np.dtype(dtype).itemsize >= 4
-
-
-class PrecisionWarning(UserWarning):
-  """A half-precision policy that does not take effect: the matmuls run in float32.
-
-  :meth:`jaxmp.flax.TrainState.value_and_grad` with ``audit=True`` raises it
-  at trace time (once per compilation), naming the cause and the layers.
-  Filter or escalate it with the :mod:`warnings` module.
-
-  Example:
-    >>> import warnings, jaxmp
-    >>> issubclass(jaxmp.PrecisionWarning, UserWarning)
-    True
-    >>> with warnings.catch_warnings():  # fail instead of warning, e.g. in CI
-    ...   warnings.simplefilter("error", jaxmp.PrecisionWarning)
-  """
 
 
 @dataclasses.dataclass(frozen=True)

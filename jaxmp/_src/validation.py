@@ -164,6 +164,24 @@ def jmp_loss_scale_fix(value: Any) -> str:
       f"makes jmp.{kind}(...) jaxmp's.")
 
 
+class PrecisionWarning(UserWarning):
+  """A half-precision policy that does not take effect: the matmuls run in float32.
+
+  :meth:`jaxmp.flax.TrainState.value_and_grad` with ``audit=True`` raises it
+  at trace time (once per compilation), naming the cause and the layers; a
+  wrapped Linen apply (``policy.wrap_apply``, ``state.apply_fn``) raises it
+  for each trace in which a module's own ``dtype=`` wins over the policy.
+  Filter or escalate it with the :mod:`warnings` module.
+
+  Example:
+    >>> import warnings, jaxmp
+    >>> issubclass(jaxmp.PrecisionWarning, UserWarning)
+    True
+    >>> with warnings.catch_warnings():  # fail instead of warning, e.g. in CI
+    ...   warnings.simplefilter("error", jaxmp.PrecisionWarning)
+  """
+
+
 def listing(items: Iterable[str], separator: str = ", ", shown: int = 6) -> str:
   """The first ``shown`` items joined by ``separator``, then "and N more".
 

@@ -212,11 +212,15 @@ def save_checkpoint(directory: str | os.PathLike[str], target: Any, *,
       optimizer)``), whose ``nnx.state`` is saved.
     force: overwrite an existing checkpoint. The new checkpoint is written
       beside the old one, which it replaces only once complete: a save that
-      fails or is killed leaves the old one restorable.
+      fails or is killed leaves the old one restorable. Without it, an
+      existing ``directory`` is refused.
     fallback: the :class:`jaxmp.PrecisionFallback` that watches the run, if
       any: its state (the current policy, the switches) is saved too, and
       its policy is recorded for targets that carry none (an optax state,
       NNX objects).
+
+  Raises:
+    ValueError: if ``directory`` exists and ``force`` is false.
 
   Example:
     >>> import os, tempfile, jax.numpy as jnp, optax, jaxmp, jaxmp.flax
@@ -242,6 +246,13 @@ def save_checkpoint(directory: str | os.PathLike[str], target: Any, *,
     ))
 
   directory = pathlib.Path(os.path.abspath(os.fspath(directory)))
+  if not force and directory.exists():
+    raise ValueError(
+        f"save_checkpoint: {directory} already exists. Pass force=True to "
+        "overwrite it: the new checkpoint is written beside the old one and "
+        "replaces it only once complete (an atomic rename), so a save that "
+        "fails or is killed leaves the old one restorable. Or save each step "
+        "to a directory of its own (.../step_1000).")
   aside = _sibling(directory, "replaced")
   if not force or not (directory.exists() or aside.exists()):
     write(directory)  # orbax writes beside it and renames: atomic

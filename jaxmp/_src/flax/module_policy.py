@@ -16,7 +16,6 @@ import copy
 import dataclasses
 import functools
 import re
-import warnings
 from typing import Any, Callable, Iterable, Mapping
 
 import jax
@@ -24,10 +23,14 @@ import numpy as np
 from flax import struct
 from flax.core import meta
 
-from jaxmp._src.flax.apply import WrappedApply, cast_apply_output
+from jaxmp._src.flax.apply import (
+  WrappedApply,
+  cast_apply_output,
+  note_declared_dtype,
+  warn_declared_dtypes,
+)
 from jaxmp._src.flax.fp8 import fp8_dot_general_cls, uses_fp8
 from jaxmp._src.flax.fp8_nnx import attach_fp8_op
-from jaxmp._src.precision_audit import PrecisionWarning
 from jaxmp._src.policy import Policy, is_floating_array
 from jaxmp._src.rules import (
   RuleTable,
@@ -36,7 +39,6 @@ from jaxmp._src.rules import (
   module_path,
   rule_table,
 )
-from jaxmp._src.validation import listing
 
 class _Call:
   """What one wrapped Linen call keeps: made per call and handed to its
@@ -49,7 +51,7 @@ class _Call:
     # The copies of modules made to run with the policy's fields, by id:
     # (copy, the method it runs, what turns Flax's call names back on).
     self.clones: dict[int, tuple[Any, str, contextlib.ExitStack]] = {}
-    # The modules whose declared dtype defeats their rule, by path.
+    # The modules whose declared dtype defeats their policy, by path.
     self.defeated: dict[str, str] = {}
 
 
@@ -172,7 +174,9 @@ class ModulePolicy(RuleTablePolicy):
   makes the policy win: a module that has a ``dtype`` attribute runs with its
   policy's compute dtype (``param_dtype`` is left alone, so the master params
   stay as they are stored). A tuple of classes limits the override to their
-  instances. ``ModulePolicy({}, default="mixed_float16",
+  instances. A module whose declared ``dtype`` is not overridden and is not
+  its policy's compute dtype is reported, once per trace, with a
+  :class:`jaxmp.PrecisionWarning`; a rule of that dtype keeps it silently. ``ModulePolicy({}, default="mixed_float16",
   override_dtype=True)`` is then "mixed_float16 for the whole model".
   Linen modules are frozen, so such a module runs as a copy with the
   policy's fields (``module.clone``), bound to the module's variables and
@@ -342,11 +346,10 @@ class ModulePolicy(RuleTablePolicy):
       # param_dtype as the inputs arrive, and only the variables are kept.
       if policy is None or setup or module.is_initializing():
         return run(*args, **kwargs)
-      # A rule's policy (the module's own, or an enclosing module's) that the
-      # module's declared dtype defeats; autocast casts each op instead.
-      if not (self._overrides_dtype(module) or self.tag_scopes) and (
-          own is not None or policy is not self.default):
-        _note_defeated_rule(call.defeated, module, path, policy)
+      # A policy that the module's declared dtype defeats; autocast casts
+      # each op instead.
+      if not (self._overrides_dtype(module) or self.tag_scopes):
+        note_declared_dtype(call.defeated, module, path, [policy.compute_dtype])
       args, kwargs = policy.cast_to_compute((args, kwargs))
       if own is not None and self.tag_scopes:
         with jax.named_scope(self._scope_tags()[own]):
@@ -520,13 +523,7 @@ def _apply_under_modules(policy: ModulePolicy, apply_fn: Callable[..., Any],
     variables = {**variables, "params": _box_params(variables["params"], call)}
   with nn.intercept_methods(functools.partial(policy._intercept, call)):  # pylint: disable=protected-access
     result = apply_fn(variables, *args, **kwargs)
-  defeated = call.defeated
-  if defeated:
-    warnings.warn(
-        "ModulePolicy: a module's own dtype wins over the policy its rule "
-        f"gives it, so the rule does not take effect: {listing(defeated.values(), '; ')}. "
-        "Pass override_dtype=True to ModulePolicy to make the rules set the "
-        "modules' dtype.", PrecisionWarning, stacklevel=3)
+  warn_declared_dtypes(call.defeated, "ModulePolicy", stacklevel=3)
   if policy.default is None:
     return result
   return cast_apply_output(policy.default, result, kwargs)
@@ -555,19 +552,6 @@ def _method_of_copy(call: _Call, module: Any, method_name: str,
       return method(*args, **kwargs)
 
   return run
-
-
-def _note_defeated_rule(defeated: dict[str, str], module: Any, path: str,
-                        policy: Policy) -> None:
-  """Notes a module whose declared ``dtype`` is not its rule's compute dtype."""
-  declared = getattr(module, "dtype", None) if _has_dtype_field(type(module)) else None
-  try:
-    declared = None if declared is None else np.dtype(declared)
-  except TypeError:  # a dtype attribute of another kind
-    return
-  if declared is not None and declared != np.dtype(policy.compute_dtype):
-    defeated[path] = (f"{path or '(root)'!r} declares dtype={declared.name}, its "
-                      f"rule computes in {np.dtype(policy.compute_dtype).name}")
 
 
 def _rule_hits(key: Any, module: Any, name: str | None, path: str) -> bool:

@@ -28,9 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src.diagnostics import nonfinite_paths
+from jaxmp._src.flax.apply import WrappedApply
 from jaxmp._src.flax.fp8 import FP8_META
 from jaxmp._src.flax.fp8_nnx import is_fp8_op
 from jaxmp._src.flax.module_policy import ModulePolicy
+from jaxmp._src.flax.switch import set_model_policy
 from jaxmp._src.loss_scale import all_finite
 from jaxmp._src.policy import Policy, as_policy, is_floating_array
 from jaxmp._src.rules import module_path
@@ -89,9 +91,18 @@ class OverflowReport:
   calls: tuple[ModuleCall, ...]
   inputs_finite: bool
   gradient_modules: tuple[str, ...] = ()
+  # The report of the same forward pass under another policy (None for a
+  # report not made by find_overflowing_modules).
+  _recheck: Callable[[Any], OverflowReport] | None = dataclasses.field(
+      default=None, compare=False, repr=False)
 
   def propose_policy(self, policy: Any, *, dtype: Any = jnp.float32) -> Any:
     """The policy that runs :attr:`modules` in ``dtype`` and the rest as now.
+
+    The proposal is checked on the batch the report was made from: the
+    forward pass runs again under it, and the modules that then produce inf
+    or nan (a float16 module fed a promoted module's float32 output beyond
+    65504) are promoted too, until it runs finite.
 
     For a :class:`jaxmp.Policy`, ``ModulePolicy({path: promoted, ...},
     default=policy, override_dtype=True)``, where ``promoted`` computes and
@@ -119,7 +130,8 @@ class OverflowReport:
     Raises:
       ValueError: when no module produced non-finite values (fall back to a
         wider policy instead: the overflow is in the loss or the backward
-        pass), or the inputs themselves are not finite (bad data).
+        pass), the inputs themselves are not finite (bad data), or the
+        forward pass still produces them with every module it names promoted.
       TypeError: for a :class:`jaxmp.PathPolicy`, which rules over params
         rather than modules.
     """
@@ -151,15 +163,22 @@ class OverflowReport:
           "loss in float32."
       )
     promoted = Policy(io.param_dtype, dtype, dtype)
-    if _ROOT in self.modules:
-      return promoted
-    new_rules = [(re.escape(path), promoted) for path in self.modules]
-    if base is None:
-      return ModulePolicy(new_rules, default=policy, override_dtype=True)
-    keys = {key for key, _ in new_rules}
-    old_rules = [(key, p) for key, p in base.rules if key not in keys]
-    return ModulePolicy(new_rules + old_rules, default=base.default,
-                        first_match=True, override_dtype=True)
+    paths = list(self.modules)
+    while True:
+      proposal = _promote(paths, policy, base, promoted)
+      found = () if self._recheck is None else self._recheck(proposal).modules
+      if not found:
+        return proposal
+      if _ROOT in paths or set(found) <= set(paths):
+        raise ValueError(
+            f"propose_policy: under {proposal}, which promotes "
+            f"{', '.join(repr(p) if p else 'the whole model' for p in paths)} "
+            f"to {np.dtype(dtype).name}, the forward pass on the report's batch "
+            f"still produces inf or nan in {', '.join(map(repr, found))}: "
+            "promoting modules does not fix it. Fall back to a wider policy "
+            "(jaxmp.PrecisionFallback moves to the next rung), or look for "
+            "values beyond float32's range.")
+      paths += [path for path in found if path not in paths]
 
   def __str__(self) -> str:
     if not self.inputs_finite:
@@ -173,6 +192,20 @@ class OverflowReport:
       found += "; non-finite gradients in " + ", ".join(
           repr(path) for path in self.gradient_modules)
     return found
+
+
+def _promote(paths: list[str], policy: Any, base: ModulePolicy | None,
+             promoted: Policy) -> Any:
+  """``policy`` with the modules at ``paths`` promoted (see propose_policy)."""
+  if _ROOT in paths:
+    return promoted
+  new_rules = [(re.escape(path), promoted) for path in paths]
+  if base is None:
+    return ModulePolicy(new_rules, default=policy, override_dtype=True)
+  keys = {key for key, _ in new_rules}
+  old_rules = [(key, p) for key, p in base.rules if key not in keys]
+  return ModulePolicy(new_rules + old_rules, default=base.default,
+                      first_match=True, override_dtype=True)
 
 
 def _floating_finite(tree: Any) -> jax.Array:
@@ -206,7 +239,8 @@ class _Recorder:
     self.flags[index] = (inputs, _floating_finite(out))
     return out
 
-  def report(self, flags: Any, grads: Any) -> OverflowReport:
+  def report(self, flags: Any, grads: Any,
+             recheck: Callable[[Any], OverflowReport]) -> OverflowReport:
     flags = jax.device_get(flags)
     calls = tuple(
         ModuleCall(path, method, bool(np.asarray(i)), bool(np.asarray(o)), parent)
@@ -228,7 +262,7 @@ class _Recorder:
     inputs_finite = all(c.inputs_finite for c in roots) if roots else True
     return OverflowReport(
         modules=tuple(modules), calls=calls, inputs_finite=inputs_finite,
-        gradient_modules=_gradient_modules(grads))
+        gradient_modules=_gradient_modules(grads), _recheck=recheck)
 
 
 def _key_name(key: Any) -> str:
@@ -310,7 +344,10 @@ def _linen(apply_fn: Callable[..., Any], args: tuple[Any, ...],
         "it with the params, as a TrainState holds them: "
         "find_overflowing_modules(state.apply_fn, state.params, x)."
     ) from None
-  return recorder.report(flags, grads)
+  # The model's own apply, to run under a proposed policy instead.
+  bare = apply_fn.apply_fn if isinstance(apply_fn, WrappedApply) else apply_fn
+  return recorder.report(flags, grads, lambda policy: _linen(
+      policy.wrap_apply(bare), args, kwargs, None))
 
 
 @contextlib.contextmanager
@@ -360,7 +397,12 @@ def _nnx(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
       copy(*call_args, **call_kwargs)
     return recorder.flags
 
-  return recorder.report(jax.jit(forward)(state, arrays), grads)
+  def recheck(policy):  # on a copy of the model as it was, switched
+    copy = nnx.merge(graphdef, state)
+    set_model_policy(copy, policy)
+    return _nnx(copy, args, kwargs, None)
+
+  return recorder.report(jax.jit(forward)(state, arrays), grads, recheck)
 
 
 def find_overflowing_modules(model: Any, *args, grads: Any = None,

@@ -18,8 +18,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import jax
-import numpy as np
 from flax import nnx
 
 from jaxmp._src.flax.apply import WrappedApply
@@ -32,46 +30,51 @@ from jaxmp._src.policy import Fp8Policy, Policy
 from jaxmp._src.validation import listing
 
 Switch = Callable[[Any, Any, Any, Any], Any]
+ParamsOf = Callable[[Any, Any], Any]
 
 
-def switch_of(target: Any) -> Switch | None:
-  """``switch(target, policy, loss_scale, model)`` for a TrainState or an
-  ``nnx.Optimizer``; ``None`` for any other Flax pytree (switched as any
-  pytree is). ``loss_scale`` is the new loss scale, ``None`` to keep it."""
+def switch_of(target: Any) -> tuple[ParamsOf, Switch] | None:
+  """``(params_of, switch)`` for a TrainState or an ``nnx.Optimizer``;
+  ``None`` for any other Flax pytree (switched as any pytree is).
+
+  ``params_of(target, model)`` returns the params the switch keeps (and
+  refuses a wrong ``model``); ``switch(target, policy, loss_scale, model)``
+  switches, ``loss_scale`` being the new loss scale, ``None`` to keep it.
+  """
   if isinstance(target, TrainState):
-    return _switch_train_state
+    return _train_state_params, _switch_train_state
   if isinstance(target, nnx.Optimizer):
-    return _switch_nnx
+    return _nnx_params, _switch_nnx
   return None
 
 
-def _check_storage_dtypes(params: Any, policy: Any) -> None:
-  """Refuses a policy that would store the params in other dtypes."""
-  stored = jax.eval_shape(policy.params_for_storage, params)
-  for (path, old), new in zip(jax.tree_util.tree_leaves_with_path(params),
-                              jax.tree_util.tree_leaves(stored)):
-    old_dtype = getattr(old, "dtype", None)
-    if old_dtype is not None and np.dtype(old_dtype) != np.dtype(new.dtype):
-      raise ValueError(
-          f"switch_precision: the policy {policy} stores the params in other "
-          f"dtypes than the state holds (at {jax.tree_util.keystr(path)}: "
-          f"{np.dtype(old_dtype)} now, {np.dtype(new.dtype)} under the new "
-          "policy). A switch keeps the params bit-identical, so the policies "
-          "of a ladder share their param_dtype (float32 master params)."
-      )
-
-
-def _switch_train_state(state: TrainState, policy: Any, loss_scale: Any,
-                        model: Any) -> TrainState:
+def _train_state_params(state: TrainState, model: Any) -> Any:
   if model is not None:
     raise TypeError(
         "switch_precision: model= is for an nnx.Optimizer; a TrainState holds "
         "its apply_fn and takes no model."
     )
+  split = split_fp8_grads(state.params)
+  return state.params if split is None else split[0]
+
+
+def _nnx_params(optimizer: nnx.Optimizer, model: Any) -> Any:
+  del optimizer
+  if not isinstance(model, nnx.Module) or isinstance(model, nnx.Optimizer):
+    raise TypeError(
+        "switch_precision: an nnx.Optimizer needs its model, whose modules' "
+        "dtype the policy sets: switch_precision(optimizer, policy, "
+        f"model=model); got model={model!r}."
+    )
+  return nnx.state(model, nnx.Param)
+
+
+def _switch_train_state(state: TrainState, policy: Any, loss_scale: Any,
+                        model: Any) -> TrainState:
+  del model  # checked by _train_state_params
   if isinstance(policy, Fp8Policy):
     policy = ModulePolicy({}, default=policy)  # as TrainState.create does
   split = split_fp8_grads(state.params)
-  _check_storage_dtypes(state.params if split is None else split[0], policy)
   fp8_policy = runs_fp8(policy)
   if fp8_policy and split is None:
     raise ValueError(
@@ -112,12 +115,24 @@ def _as_module_policy(policy: Any) -> ModulePolicy:
 
 def _switch_nnx(optimizer: nnx.Optimizer, policy: Any, loss_scale: Any,
                 model: Any) -> nnx.Optimizer:
-  if not isinstance(model, nnx.Module) or isinstance(model, nnx.Optimizer):
-    raise TypeError(
-        "switch_precision: an nnx.Optimizer needs its model, whose modules' "
-        "dtype the policy sets: switch_precision(optimizer, policy, "
-        f"model=model); got model={model!r}."
-    )
+  dropped = set_model_policy(model, policy)
+  if dropped:
+    warnings.warn(
+        f"switch_precision: the policy {policy} runs {len(dropped)} layer(s) "
+        f"that had FP8 matmuls without them ({listing(repr(p) for p in dropped)}): their FP8 "
+        "ops, and the jaxmp.flax.Fp8Meta in them, are removed from the model, "
+        "which computes those matmuls in the new policy's dtype.",
+        UserWarning, stacklevel=3)
+  if loss_scale is not None:
+    optimizer.opt_state = with_loss_scale(optimizer.opt_state, loss_scale)
+    optimizer.tx = with_initial_loss_scale(optimizer.tx, loss_scale)
+  return optimizer
+
+
+def set_model_policy(model: nnx.Module, policy: Any) -> list[str]:
+  """Sets the dtypes (and FP8 ops) of an NNX model's modules to ``policy``'s,
+  keeping the FP8 ops (and meta) of the layers that stay in FP8; returns the
+  paths of those whose FP8 op came off. On an error the model is unchanged."""
   module_policy = _as_module_policy(policy)
   declared = [(module, module.dtype) for _, module in nnx.iter_modules(model)
               if hasattr(module, "dtype")]
@@ -141,14 +156,4 @@ def _switch_nnx(optimizer: nnx.Optimizer, policy: Any, loss_scale: Any,
       reattach_fp8_op(module, attribute, op)
     else:
       dropped.append(path)
-  if dropped:
-    warnings.warn(
-        f"switch_precision: the policy {policy} runs {len(dropped)} layer(s) "
-        f"that had FP8 matmuls without them ({listing(repr(p) for p in dropped)}): their FP8 "
-        "ops, and the jaxmp.flax.Fp8Meta in them, are removed from the model, "
-        "which computes those matmuls in the new policy's dtype.",
-        UserWarning, stacklevel=3)
-  if loss_scale is not None:
-    optimizer.opt_state = with_loss_scale(optimizer.opt_state, loss_scale)
-    optimizer.tx = with_initial_loss_scale(optimizer.tx, loss_scale)
-  return optimizer
+  return dropped

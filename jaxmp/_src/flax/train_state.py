@@ -366,8 +366,9 @@ class TrainState(train_state.TrainState):
         per compilation) traces the forward pass once more, as
         :func:`jaxmp.precision_report` does (running nothing), and warns with
         a :class:`jaxmp.PrecisionWarning` when a 16-bit policy does not take
-        effect (a layer's own ``dtype=jnp.float32``, a float32 batch captured
-        by ``loss_fn``'s closure). Off by default: no extra trace.
+        effect (a float32 batch captured by ``loss_fn``'s closure, a layer's
+        own ``dtype=jnp.float32``, which ``state.apply_fn`` reports anyway).
+        Off by default: no extra trace.
 
     With FP8 meta, ``params`` is ``state.params``, the variables
     ``{"params": ..., "_overwrite_with_gradient": meta}``, and ``loss_fn``
