@@ -348,7 +348,8 @@ def _skipped_state(wrap):
 WRAPPERS = {
     "bare": lambda tx: tx,
     "inject_hyperparams": lambda tx: optax.inject_hyperparams(lambda: tx)(),
-    "MultiSteps": lambda tx: optax.MultiSteps(tx, 1),
+    "MultiSteps": lambda tx: optax.MultiSteps(
+        tx, 1, should_skip_update_fn=optax.skip_not_finite),
     "tuple": lambda tx: tx,
 }
 
@@ -362,10 +363,89 @@ def test_keep_on_skip_finds_the_flag_wherever_the_state_sits(wrapper):
   chex.assert_trees_all_equal(kept, old)  # old's values and dtypes
 
 
+ACCUMULATORS = {
+    "multi_steps": lambda: jaxmp.multi_steps(optax.sgd(0.1), jaxmp.DynamicLossScale(), 3),
+    "MultiSteps": lambda: optax.MultiSteps(
+        jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale()), 3,
+        should_skip_update_fn=optax.skip_not_finite),
+    # A TrainState wraps its tx: the accumulation sits inside the wrapper.
+    "inside": lambda: optax.MultiSteps(optax.sgd(0.1), 3),
+}
+
+
+def accumulating(name, tx):
+  """``(state, step(state, x) -> (state, stats))`` keeping ``stats + x``."""
+  loss_fn = lambda w, x: jnp.sum(w * x)
+  if name == "linen":
+    state = StatsState.create(apply_fn=None, params={"w": W}, tx=tx, policy="float32",
+                              loss_scale=jaxmp.DynamicLossScale(), stats=jnp.zeros(8))
+
+    def step(state, x):
+      _, grads = state.value_and_grad(lambda p: loss_fn(p["w"], x))(state.params)
+      state = state.apply_gradients(grads=grads, stats=state.stats + x)
+      return state, state.stats
+    return state, jax.jit(step)
+  if name == "nnx":
+    model = Model()
+
+    def step(objects, x):
+      model, opt = objects
+      _, grads = jaxmp.scaled_value_and_grad(
+          lambda m: loss_fn(m.w[...], x), jaxmp.get_loss_scale(opt.opt_state),
+          value_and_grad=nnx.value_and_grad)(model)
+      opt.update(model, grads)
+      model.stats[...] = jaxmp.keep_on_skip(
+          opt.opt_state, model.stats[...] + x, model.stats[...])
+      return objects, model.stats[...]
+    return (model, nnx.Optimizer(model, tx, wrt=nnx.Param)), nnx.jit(step)
+
+  def step(state, x):
+    (w, stats), opt_state = state
+    _, grads = jaxmp.scaled_value_and_grad(loss_fn, jaxmp.get_loss_scale(opt_state))(w, x)
+    updates, opt_state = tx.update(grads, opt_state, w)
+    stats = jaxmp.keep_on_skip(opt_state, stats + x, stats)
+    return ((optax.apply_updates(w, updates), stats), opt_state), stats
+  return ((W, jnp.zeros(8)), tx.init(W)), jax.jit(step)
+
+
+@pytest.mark.parametrize("name, accumulator", [
+    ("optax", "multi_steps"), ("optax", "MultiSteps"), ("nnx", "multi_steps"),
+    ("nnx", "MultiSteps"), ("linen", "inside")])
+def test_keep_on_skip_under_accumulation_writes_each_finite_micro_batch(name, accumulator):
+  """Never a nan micro-batch's values, and not the flag of the last step."""
+  state, step = accumulating(name, ACCUMULATORS[accumulator]())
+  written = []
+  for x in (jnp.ones(8), jnp.ones(8).at[0].set(jnp.nan), jnp.ones(8)):
+    state, stats = step(state, x)
+    written.append(np.asarray(stats))
+  np.testing.assert_array_equal(np.stack(written), [[1.0] * 8, [1.0] * 8, [2.0] * 8])
+
+
 def test_keep_on_skip_refuses_a_new_value_of_another_structure():
   with pytest.raises(ValueError, match="structure"):
     jaxmp.keep_on_skip(_skipped_state(lambda tx: tx), {"a": jnp.zeros(2)},
                        {"a": jnp.zeros(2), "b": jnp.zeros(2)})
+
+
+@pytest.mark.parametrize("name", ["optax", "linen"])
+@pytest.mark.parametrize("applied", [False, True])
+def test_keep_on_skip_keeps_or_writes_a_typed_prng_key(name, applied):
+  """Eagerly, as a TrainState's field too."""
+  old = {"key": jax.random.key(0), "mean": jnp.zeros(2)}
+  new = {"key": jax.random.split(old["key"])[0], "mean": jnp.ones(2)}
+  grads = {"w": jnp.array([1.0 if applied else jnp.inf, 0.0])}
+  if name == "linen":
+    state = StatsState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1),
+                              policy="float32", loss_scale=jaxmp.DynamicLossScale(), stats=old)
+    kept = state.apply_gradients(grads=grads, stats=new).stats
+  else:
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale())
+    _, state = tx.update(grads, tx.init({"w": jnp.ones(2)}))
+    kept = jaxmp.keep_on_skip(state, new, old)
+  expected = new if applied else old
+  chex.assert_trees_all_equal(jax.random.key_data(kept["key"]),
+                              jax.random.key_data(expected["key"]))
+  chex.assert_trees_all_equal(kept["mean"], expected["mean"])
 
 
 # -- BatchNorm statistics, Linen and NNX ---------------------------------------------

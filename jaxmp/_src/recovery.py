@@ -17,7 +17,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
+from jaxmp._src import jaxpr as jaxprs
 from jaxmp._src.frameworks import holds_nnx_objects
 from jaxmp._src.inplace_select import check_same_structure
 from jaxmp._src.loss_scale import LossScale, NoOpLossScale, StaticLossScale
@@ -36,11 +38,17 @@ def keep_on_skip(opt_state: Any, new: Any, old: Any) -> Any:
   statistics, EMA params, FP8 meta, NNX variables): on a step that
   :func:`jaxmp.loss_scaling` skipped, ``old`` comes back bit-identical. The
   flag is the ``last_finite`` of the loss-scaling state in ``opt_state``,
-  found wherever it sits (a chain, ``inject_hyperparams``, ``MultiSteps``,
-  an ``nnx.Optimizer``, a :class:`jaxmp.flax.TrainState`); the choice is a
+  found wherever it sits (a chain, ``inject_hyperparams``, an
+  ``nnx.Optimizer``, a :class:`jaxmp.flax.TrainState`); the choice is a
   ``jnp.where`` per leaf, with no host synchronisation. Call it after the
   optimizer's update. Leaves of ``new`` in another dtype are cast to
   ``old``'s, so that a jitted step does not retrace.
+
+  Under gradient accumulation, ``new`` is kept where *this micro-batch's*
+  gradients were finite: the ``skip_state["should_skip"]`` that
+  :func:`jaxmp.multi_steps` records, as does ``optax.MultiSteps(...,
+  should_skip_update_fn=optax.skip_not_finite)``. A plain ``optax.MultiSteps``
+  records no such flag and is refused.
 
   Args:
     opt_state: the optimizer state after this step's update (or anything
@@ -53,8 +61,9 @@ def keep_on_skip(opt_state: Any, new: Any, old: Any) -> Any:
 
   Raises:
     ValueError: if ``opt_state`` holds no loss-scaling state (or more than
-      one), ``new`` and ``old`` differ in structure or shapes, or ``old``
-      holds the very NNX variables ``new`` holds (not a copy).
+      one) or holds it inside an ``optax.MultiSteps`` without
+      ``skip_not_finite``, ``new`` and ``old`` differ in structure or
+      shapes, or ``old`` holds the very NNX variables ``new`` holds.
 
   For NNX, whose layers update their variables in place, take a copy of
   them before the step and write the kept ones back after the update:
@@ -71,7 +80,7 @@ def keep_on_skip(opt_state: Any, new: Any, old: Any) -> Any:
     >>> jaxmp.keep_on_skip(opt_state, {"mean": jnp.full(2, jnp.inf)}, stats)
     {'mean': Array([0., 0.], dtype=float32)}
   """
-  applied = jnp.asarray(_find_state(opt_state, "jaxmp.keep_on_skip").last_finite)
+  applied = _applied(opt_state)
   _refuse_live_variables(new, old)
   check_same_structure(
       new, old, owner="jaxmp.keep_on_skip",
@@ -82,9 +91,43 @@ def keep_on_skip(opt_state: Any, new: Any, old: Any) -> Any:
 
   def select(new_leaf, old_leaf):
     new_leaf, old_leaf = jnp.asarray(new_leaf), jnp.asarray(old_leaf)
-    return jnp.where(applied, new_leaf.astype(old_leaf.dtype), old_leaf)
+    if new_leaf.dtype != old_leaf.dtype:  # (a typed PRNG key has no astype)
+      new_leaf = new_leaf.astype(old_leaf.dtype)
+    return jnp.where(applied, new_leaf, old_leaf)
 
   return jax.tree_util.tree_map(select, new, old)
+
+
+def _applied(opt_state: Any) -> jax.Array:
+  """Whether this step's values may be written: see keep_on_skip."""
+  applied = jnp.asarray(_find_state(opt_state, "jaxmp.keep_on_skip").last_finite)
+  [(path, _)] = loss_scaling_states_with_path(opt_state)
+  if not _accumulating(path):
+    return applied
+  applied = jnp.ones([], jnp.bool_)
+  for outer, state in optax.tree_utils.tree_get_all_with_path(
+      opt_state, optax.MultiStepsState.__name__,
+      filtering=lambda _, x: isinstance(x, optax.MultiStepsState)):
+    if path[:len(outer)] != outer:
+      continue
+    skip = state.skip_state
+    if not (isinstance(skip, dict) and "should_skip" in skip
+            and set(skip) <= {"should_skip", "num_not_finite"}):
+      raise ValueError(
+          "jaxmp.keep_on_skip: the loss-scaling state sits inside "
+          "optax.MultiSteps, whose state does not record whether this "
+          f"micro-batch's gradients were finite (its skip_state is {skip!r}); "
+          "the flag of the last completed step would write the values of a "
+          "nan micro-batch. Use jaxmp.multi_steps(optax.adamw(1e-3), "
+          "loss_scale, k), which records it, or optax.MultiSteps(..., "
+          "should_skip_update_fn=optax.skip_not_finite).")
+    applied = applied & ~jnp.asarray(skip["should_skip"])
+  return applied
+
+
+def _accumulating(path) -> bool:
+  """Whether the loss-scaling state at ``path`` sits inside accumulation."""
+  return any(getattr(key, "name", None) == "inner_opt_state" for key in path)
 
 
 def _refuse_live_variables(new: Any, old: Any) -> None:
@@ -207,7 +250,7 @@ def _check_retry_options(max_retries: Any, fallback: Any) -> int:
 
 def _refuse_accumulation(state: Any) -> None:
   [(path, _)] = loss_scaling_states_with_path(state)
-  if any(getattr(key, "name", None) == "inner_opt_state" for key in path):
+  if _accumulating(path):
     raise ValueError(
         "jaxmp.retry_skipped: the loss-scaling state sits inside gradient "
         "accumulation (optax.MultiSteps or jaxmp.multi_steps). A skip there "
