@@ -281,8 +281,9 @@ def retry_skipped(
   ``max_retries`` times (not for static and no-op scales, which a skip does
   not change); then, if still skipped, ``fallback`` (a step of the same
   signature, e.g. the same step under a wider policy) runs once the same way.
-  Only a batch still non-finite after that is lost, and leaves the state as a
-  plain skipped step does.
+  Only a batch still non-finite after that is lost, and leaves the state
+  bit-identical to the plain step's skip: the scale backed off once, as the
+  first attempt left it (``info.loss_scale`` is the last attempt's).
 
   * **A finite step is the plain step**, bit for bit: the step is the body of
     a ``lax.while_loop`` whose first iteration is the step itself, and that
@@ -303,9 +304,11 @@ def retry_skipped(
   :func:`jaxmp.multi_steps` drops every micro-batch of the accumulated step,
   and a retry could only recompute the last.
 
+  Inside ``shard_map``, ``aux`` may vary over the devices (each one's loss).
+
   Args:
     step: the train step, ``step(state, *args, **kwargs) -> (state, aux)``;
-      the state it returns has the structure of the one it takes.
+      the state it returns has the structure and shapes of the one it takes.
     max_retries: how many times to run a skipped step again (0 goes straight
       to the fallback). Default 4: down to ``2**-4`` of the scale with the
       default backoff.
@@ -318,10 +321,11 @@ def retry_skipped(
 
   Raises:
     TypeError: if ``max_retries`` is not an integer, or ``fallback`` not
-      callable.
+      callable; when called, if the step returns no ``(state, aux)``.
     ValueError: if ``max_retries`` is out of range; when called, if the
       state holds no loss-scaling state (or more than one), or holds it
-      inside gradient accumulation.
+      inside gradient accumulation, or the step returns a state of another
+      structure.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxmp
@@ -361,12 +365,12 @@ def retry_skipped(
       pure, as_pure_step, write_back = nnx_adapter.split_for_loop(state)
 
       def as_step(fn):
-        return as_pure_step(lambda objects: fn(objects, *args, **kwargs))
+        return as_pure_step(lambda objects: _state_and_aux(fn, objects, args, kwargs))
     else:
       pure = state
 
       def as_step(fn):
-        return lambda pure_state: fn(pure_state, *args, **kwargs)
+        return lambda pure_state: _state_and_aux(fn, pure_state, args, kwargs)
 
     layout = _layout(state, pure)
     leaves, treedef = jax.tree_util.tree_flatten(pure)
@@ -401,6 +405,12 @@ def retry_skipped(
     def as_arrays_step(fn):
       def arrays_step(arrays):
         new, aux = fn(tree_of(arrays))
+        check_same_structure(
+            new, tree_of(arrays), owner="jaxmp.retry_skipped",
+            names=("the state the step returned", "the state it took"),
+            fix="The loop that runs a skipped step again carries the state "
+            "it took: return a state of its structure and shapes (create "
+            "every entry before the first step, e.g. in the initial state).")
         return arrays_of(new), aux
       return arrays_step
 
@@ -413,11 +423,11 @@ def retry_skipped(
     last = limit + (fall_back is not None)
 
     def again(carry):
-      pure_state, _, attempts, _, _ = carry
+      pure_state, _, attempts, _, _, _ = carry
       return (attempts == 0) | (~applied(pure_state) & (attempts <= last))
 
     def run(carry):
-      pure_state, _, attempts, _, _ = carry
+      pure_state, _, attempts, _, _, first = carry
       start = start_from(pure_state)
       if fall_back is None:
         falls_back = jnp.zeros([], jnp.bool_)
@@ -425,14 +435,20 @@ def retry_skipped(
       else:
         falls_back = attempts > limit
         new, aux = jax.lax.cond(falls_back, fall_back, attempt, start)
-      return new, aux, attempts + 1, scale_of(start), falls_back
+      # The loss scale after the first attempt: the plain step's.
+      first = [jnp.where(attempts == 0, a, b) for a, b in zip(scale_of(new), first)]
+      return new, aux, attempts + 1, scale_of(start), falls_back, first
 
-    zeros = jax.tree_util.tree_map(
-        lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
-    carry = (pure, zeros, jnp.zeros([], jnp.int32), scale_of(pure),
-             jnp.zeros([], jnp.bool_))
-    pure, aux, attempts, scale, fell_back = jax.lax.while_loop(again, run, carry)
+    carry = (pure, jax.tree_util.tree_map(_zeros, aux_shape),
+             jnp.zeros([], jnp.int32), scale_of(pure), jnp.zeros([], jnp.bool_),
+             scale_of(pure))
+    pure, aux, attempts, scale, fell_back, first = jax.lax.while_loop(
+        again, run, carry)
     finite = applied(pure)
+    # A lost batch leaves the state as the plain step's skip does: the
+    # retries' backoffs are undone.
+    for i, plain_scale in zip(layout.scale, first):
+      pure[position[i]] = jnp.where(finite, pure[position[i]], plain_scale)
     retries = attempts - 1 - fell_back.astype(jnp.int32)
     recovered, fallback_steps = position[layout.recovered], position[layout.fallback]
     pure[recovered] = pure[recovered] + (
@@ -449,6 +465,26 @@ def retry_skipped(
     return pure, aux, info
 
   return recovering_step
+
+
+def _state_and_aux(step: Callable[..., Any], state: Any, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> tuple[Any, Any]:
+  """``step(state, *args, **kwargs)``, refused unless it is ``(state, aux)``."""
+  out = step(state, *args, **kwargs)
+  alone = jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(state)
+  if alone or not (isinstance(out, tuple) and len(out) == 2):
+    raise TypeError(
+        "jaxmp.retry_skipped: the step must return (state, aux); it returned "
+        + ("the state alone" if alone else f"a {type(out).__name__}")
+        + ". Return an aux too: return (params, opt_state), loss (or None).")
+  return out
+
+
+def _zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
+  """Zeros of ``shape``, varying over the ``shard_map`` axes it varies over."""
+  zeros = jnp.zeros(shape.shape, shape.dtype)
+  axes = jaxprs.manual_axes(shape)
+  return jax.lax.pcast(zeros, tuple(axes), to="varying") if axes else zeros
 
 
 def _is_array(x: Any) -> bool:
