@@ -102,13 +102,10 @@ def _applied(opt_state: Any) -> jax.Array:
   """Whether this step's values may be written: see keep_on_skip."""
   applied = jnp.asarray(_find_state(opt_state, "jaxmp.keep_on_skip").last_finite)
   [(path, _)] = loss_scaling_states_with_path(opt_state)
-  if not _accumulating(path):
-    return applied
-  applied = jnp.ones([], jnp.bool_)
   for outer, state in optax.tree_utils.tree_get_all_with_path(
       opt_state, optax.MultiStepsState.__name__,
       filtering=lambda _, x: isinstance(x, optax.MultiStepsState)):
-    if path[:len(outer)] != outer:
+    if path[:len(outer)] != outer:  # not around the loss-scaling state
       continue
     skip = state.skip_state
     if not (isinstance(skip, dict) and "should_skip" in skip
@@ -121,13 +118,8 @@ def _applied(opt_state: Any) -> jax.Array:
           "nan micro-batch. Use jaxmp.multi_steps(optax.adamw(1e-3), "
           "loss_scale, k), which records it, or optax.MultiSteps(..., "
           "should_skip_update_fn=optax.skip_not_finite).")
-    applied = applied & ~jnp.asarray(skip["should_skip"])
+    applied = ~jnp.asarray(skip["should_skip"])  # this micro-batch's
   return applied
-
-
-def _accumulating(path) -> bool:
-  """Whether the loss-scaling state at ``path`` sits inside accumulation."""
-  return any(getattr(key, "name", None) == "inner_opt_state" for key in path)
 
 
 def _refuse_live_variables(new: Any, old: Any) -> None:
@@ -250,7 +242,7 @@ def _check_retry_options(max_retries: Any, fallback: Any) -> int:
 
 def _refuse_accumulation(state: Any) -> None:
   [(path, _)] = loss_scaling_states_with_path(state)
-  if _accumulating(path):
+  if any(getattr(key, "name", None) == "inner_opt_state" for key in path):
     raise ValueError(
         "jaxmp.retry_skipped: the loss-scaling state sits inside gradient "
         "accumulation (optax.MultiSteps or jaxmp.multi_steps). A skip there "
