@@ -196,3 +196,25 @@ def test_a_micro_step_compiles_once_and_needs_no_branch_or_host_transfer():
       params, state = micro_step(params, state, batches[i], injects[i])
   assert int(state.inner_opt_state.skipped_steps) == 1
   assert int(state.gradient_step) == 2
+
+
+def test_every_device_records_the_same_micro_batch_flag_under_shard_map():
+  """Gradients split over 8 devices, one of them nan: keep_on_skip keeps the
+  replicated statistics on every device."""
+  mesh = jax.make_mesh((8,), ("batch",))
+  tx = jaxmp.multi_steps(optax.sgd(0.1), jaxmp.DynamicLossScale(), 2, axis_name="batch")
+  P = jax.sharding.PartitionSpec
+
+  def device_step(grads):  # this device's shard of the gradients
+    w = jnp.zeros(1)
+    _, opt_state = tx.update(grads, tx.init(w), w)
+    stats = jnp.zeros(1)
+    return jaxmp.keep_on_skip(opt_state, stats + 1.0, stats), opt_state.skip_state
+
+  step = jax.jit(jax.shard_map(device_step, mesh=mesh, in_specs=P("batch"), out_specs=P()))
+  for poisoned in (False, True):
+    grads = jnp.ones(8).at[5].set(jnp.nan if poisoned else 1.0)
+    stats, skip_state = step(
+        jax.device_put(grads, jax.sharding.NamedSharding(mesh, P("batch"))))
+    assert bool(skip_state["should_skip"]) == poisoned
+    np.testing.assert_array_equal(stats, [0.0 if poisoned else 1.0])

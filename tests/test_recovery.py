@@ -245,25 +245,22 @@ def test_a_recovered_step_is_the_clean_step_at_the_backed_off_scale(name):
 
 
 @parametrize
-def test_a_lost_batch_leaves_every_array_bit_identical(name):
+@pytest.mark.parametrize("scale", [2.0**15, 1.0])  # 1.0: at the floor
+def test_a_lost_batch_leaves_the_state_the_plain_skipped_step_leaves(name, scale):
+  """Bit for bit, counters and loss scale included: the retries' backoffs are
+  undone, and at the floor the overflows count once."""
   fw = FRAMEWORKS[name]
-  state = fw.init(jaxmp.DynamicLossScale(2.0**15))
-  before = snapshot(name, state)
-  state, _, info = run(name, state, NAN, max_retries=3, fallback=float32_loss)
+  state, _, info = run(name, fw.init(jaxmp.DynamicLossScale(scale)), NAN,
+                       max_retries=3, fallback=float32_loss)
   assert (int(info.retries), bool(info.fell_back), bool(info.finite)) == (3, True, False)
-  after = snapshot(name, state)
-  # Everything but the loss scale's state and the counters of steps.
-  changed = ("loss_scale", "skipped_steps", "lost_steps", "last_finite",
-             "step", "count")
-  for path, value in before.items():
-    if not any(c in path for c in changed):
-      np.testing.assert_array_equal(after[path], value, err_msg=path)
+  # The scale the last attempt, the fallback, ran at.
+  assert float(info.loss_scale.loss_scale) == max(scale / 2**4, 1.0)
+  plain, _ = run(name, fw.init(jaxmp.DynamicLossScale(scale)), NAN, recovering=False)
+  chex.assert_trees_all_equal(snapshot(name, state, recovery_counters=True),
+                              snapshot(name, plain, recovery_counters=True))
   m = metrics(state)
-  assert (m["lost_steps"], m["skipped_steps"], m["recovered_steps"],
-          m["fallback_steps"]) == (1, 1, 0, 0)
-  # Each skipped attempt backs the scale off once: four in float16, then the
-  # fallback's.
-  assert m["loss_scale"] == 2.0**15 / 2**5
+  assert m == metrics(plain)
+  assert (m["lost_steps"], m["skipped_steps"], m["overflows_at_min"]) == (1, 1, int(scale == 1.0))
 
 
 @parametrize
@@ -348,7 +345,8 @@ def _skipped_state(wrap):
 WRAPPERS = {
     "bare": lambda tx: tx,
     "inject_hyperparams": lambda tx: optax.inject_hyperparams(lambda: tx)(),
-    "MultiSteps": lambda tx: optax.MultiSteps(tx, 1),
+    "MultiSteps": lambda tx: optax.MultiSteps(
+        tx, 1, should_skip_update_fn=optax.skip_not_finite),
     "tuple": lambda tx: tx,
 }
 
@@ -362,10 +360,89 @@ def test_keep_on_skip_finds_the_flag_wherever_the_state_sits(wrapper):
   chex.assert_trees_all_equal(kept, old)  # old's values and dtypes
 
 
+ACCUMULATORS = {
+    "multi_steps": lambda: jaxmp.multi_steps(optax.sgd(0.1), jaxmp.DynamicLossScale(), 3),
+    "MultiSteps": lambda: optax.MultiSteps(
+        jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale()), 3,
+        should_skip_update_fn=optax.skip_not_finite),
+    # A TrainState wraps its tx: the accumulation sits inside the wrapper.
+    "inside": lambda: optax.MultiSteps(optax.sgd(0.1), 3),
+}
+
+
+def accumulating(name, tx):
+  """``(state, step(state, x) -> (state, stats))`` keeping ``stats + x``."""
+  loss_fn = lambda w, x: jnp.sum(w * x)
+  if name == "linen":
+    state = StatsState.create(apply_fn=None, params={"w": W}, tx=tx, policy="float32",
+                              loss_scale=jaxmp.DynamicLossScale(), stats=jnp.zeros(8))
+
+    def step(state, x):
+      _, grads = state.value_and_grad(lambda p: loss_fn(p["w"], x))(state.params)
+      state = state.apply_gradients(grads=grads, stats=state.stats + x)
+      return state, state.stats
+    return state, jax.jit(step)
+  if name == "nnx":
+    model = Model()
+
+    def step(objects, x):
+      model, opt = objects
+      _, grads = jaxmp.scaled_value_and_grad(
+          lambda m: loss_fn(m.w[...], x), jaxmp.get_loss_scale(opt.opt_state),
+          value_and_grad=nnx.value_and_grad)(model)
+      opt.update(model, grads)
+      model.stats[...] = jaxmp.keep_on_skip(
+          opt.opt_state, model.stats[...] + x, model.stats[...])
+      return objects, model.stats[...]
+    return (model, nnx.Optimizer(model, tx, wrt=nnx.Param)), nnx.jit(step)
+
+  def step(state, x):
+    (w, stats), opt_state = state
+    _, grads = jaxmp.scaled_value_and_grad(loss_fn, jaxmp.get_loss_scale(opt_state))(w, x)
+    updates, opt_state = tx.update(grads, opt_state, w)
+    stats = jaxmp.keep_on_skip(opt_state, stats + x, stats)
+    return ((optax.apply_updates(w, updates), stats), opt_state), stats
+  return ((W, jnp.zeros(8)), tx.init(W)), jax.jit(step)
+
+
+@pytest.mark.parametrize("name, accumulator", [
+    ("optax", "multi_steps"), ("optax", "MultiSteps"), ("nnx", "multi_steps"),
+    ("nnx", "MultiSteps"), ("linen", "inside")])
+def test_keep_on_skip_under_accumulation_writes_each_finite_micro_batch(name, accumulator):
+  """Never a nan micro-batch's values, and not the flag of the last step."""
+  state, step = accumulating(name, ACCUMULATORS[accumulator]())
+  written = []
+  for x in (jnp.ones(8), jnp.ones(8).at[0].set(jnp.nan), jnp.ones(8)):
+    state, stats = step(state, x)
+    written.append(np.asarray(stats))
+  np.testing.assert_array_equal(np.stack(written), [[1.0] * 8, [1.0] * 8, [2.0] * 8])
+
+
 def test_keep_on_skip_refuses_a_new_value_of_another_structure():
   with pytest.raises(ValueError, match="structure"):
     jaxmp.keep_on_skip(_skipped_state(lambda tx: tx), {"a": jnp.zeros(2)},
                        {"a": jnp.zeros(2), "b": jnp.zeros(2)})
+
+
+@pytest.mark.parametrize("name", ["optax", "linen"])
+@pytest.mark.parametrize("applied", [False, True])
+def test_keep_on_skip_keeps_or_writes_a_typed_prng_key(name, applied):
+  """Eagerly, as a TrainState's field too."""
+  old = {"key": jax.random.key(0), "mean": jnp.zeros(2)}
+  new = {"key": jax.random.split(old["key"])[0], "mean": jnp.ones(2)}
+  grads = {"w": jnp.array([1.0 if applied else jnp.inf, 0.0])}
+  if name == "linen":
+    state = StatsState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1),
+                              policy="float32", loss_scale=jaxmp.DynamicLossScale(), stats=old)
+    kept = state.apply_gradients(grads=grads, stats=new).stats
+  else:
+    tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale())
+    _, state = tx.update(grads, tx.init({"w": jnp.ones(2)}))
+    kept = jaxmp.keep_on_skip(state, new, old)
+  expected = new if applied else old
+  chex.assert_trees_all_equal(jax.random.key_data(kept["key"]),
+                              jax.random.key_data(expected["key"]))
+  chex.assert_trees_all_equal(kept["mean"], expected["mean"])
 
 
 # -- BatchNorm statistics, Linen and NNX ---------------------------------------------
@@ -548,3 +625,38 @@ def test_eight_devices_under_sharded_jit_agree_on_each_retry():
   direct = jaxmp.loss_scaling(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**13))
   (direct_w, _), _ = jax.jit(step_of(direct))((w, direct.init(w)), x)
   chex.assert_trees_all_equal(np.asarray(new_w), np.asarray(direct_w))
+
+
+def test_eight_devices_under_shard_map_retry_a_step_whose_aux_varies():
+  """The step's aux is each device's own loss."""
+  mesh = jax.make_mesh((8,), ("batch",))
+  rows = jax.sharding.PartitionSpec("batch")
+  x = jax.device_put(jnp.broadcast_to(FINITE, (8, 8)).at[5].set(OVERFLOWS),
+                     jax.sharding.NamedSharding(mesh, rows))
+
+  def run_sharded(tx, step):
+    def device_step(state, x):
+      w, opt_state = state
+      loss, grads = jaxmp.scaled_value_and_grad(
+          float16_loss, jaxmp.get_loss_scale(opt_state))(w, x[0])
+      updates, opt_state = tx.update(grads, opt_state, w)
+      return (optax.apply_updates(w, updates), opt_state), loss
+
+    def body(state, x):
+      state, loss, *info = step(device_step)(state, x)
+      return (state, loss[None], *info)
+    out_specs = (jax.sharding.PartitionSpec(), rows) + (
+        (jax.sharding.PartitionSpec(),) if step is jaxmp.retry_skipped else ())
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(
+        jax.sharding.PartitionSpec(), rows), out_specs=out_specs))((W, tx.init(W)), x)
+
+  def scaling(scale):
+    return jaxmp.loss_scaling(optax.adam(1e-2), jaxmp.DynamicLossScale(scale),
+                              axis_name="batch")
+  (w, _), losses, info = run_sharded(scaling(2.0**15), jaxmp.retry_skipped)
+  # The gradients of the replicated w are summed over the devices, in
+  # float16: the sum overflows above 2**12.
+  assert int(info.retries) == 3 and bool(info.finite)
+  (direct_w, _), direct_losses = run_sharded(scaling(2.0**12), lambda step: step)
+  chex.assert_trees_all_equal(np.asarray(w), np.asarray(direct_w))
+  chex.assert_trees_all_equal(np.asarray(losses), np.asarray(direct_losses))

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmp._src.loss_scale import LossScale
+from jaxmp._src.loss_scale import LossScale, all_finite
 from jaxmp._src.loss_scaling import (
     LossScalingState,
     agree_on_finite,
@@ -67,6 +67,10 @@ def multi_steps(
 
   The state is ``optax.MultiStepsState``: ``jaxmp.get_loss_scale``,
   ``jaxmp.loss_scaling_metrics`` and ``optax.MultiSteps.has_updated`` read it.
+  Its ``skip_state`` is ``{"should_skip": flag}``, as with
+  ``optax.skip_not_finite``: whether this micro-batch's gradients were not
+  finite (on any device of ``axis_name``), which :func:`jaxmp.keep_on_skip`
+  reads; the metrics (``last_finite``, ``skipped``) are about completed steps.
 
   Args:
     inner: the optimizer to wrap (schedules and weight decay inside).
@@ -132,7 +136,7 @@ def multi_steps(
         inner_opt_state=scaling.init(params),
         acc_grads=jax.tree_util.tree_map(
             lambda p: jnp.zeros(jnp.shape(p), _accumulator_dtype(p)), params),
-        skip_state=(),
+        skip_state=_skip_state(jnp.ones([], jnp.bool_)),
     )
 
   def update_fn(grads, state, params=None, **extra_args):
@@ -165,8 +169,13 @@ def multi_steps(
       finite = global_norm_and_finite(checked)[2]
     else:
       checked, finite = clip_and_check(checked, clip_global_norm)
+    skip_state = state.skip_state
     if guard:
-      finite = agree_on_finite(finite, axis_name, OWNER)
+      # This micro-batch's flag, for jaxmp.keep_on_skip: made one across
+      # devices in the same reduction as the accumulation's.
+      finite, micro_finite = agree_on_finite(
+          jnp.stack([finite, all_finite(grads)]), axis_name, OWNER)
+      skip_state = _skip_state(micro_finite)
       applies = emit & finite
     else:
       applies = emit
@@ -192,13 +201,18 @@ def multi_steps(
         # Zeroed with a select, not a product: a nan does not survive.
         acc_grads=jax.tree_util.tree_map(
             lambda t: jnp.where(emit, jnp.zeros_like(t), t), total),
-        skip_state=state.skip_state,
+        skip_state=skip_state,
     )
     return updates, new_state
 
   return keyed_transformation(init_fn, update_fn, OWNER, inner, loss_scale,
                               every_k_schedule, axis_name, clip_global_norm,
                               guard, use_grad_mean)
+
+
+def _skip_state(finite: jax.Array) -> dict[str, jax.Array]:
+  """The skip state of ``optax.skip_not_finite``'s form: this micro-batch's flag."""
+  return {"should_skip": jnp.logical_not(finite)}
 
 
 def _accumulator_dtype(param: Any) -> Any:

@@ -17,7 +17,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
+from jaxmp._src import jaxpr as jaxprs
 from jaxmp._src.frameworks import holds_nnx_objects
 from jaxmp._src.inplace_select import check_same_structure
 from jaxmp._src.loss_scale import LossScale, NoOpLossScale, StaticLossScale
@@ -36,11 +38,17 @@ def keep_on_skip(opt_state: Any, new: Any, old: Any) -> Any:
   statistics, EMA params, FP8 meta, NNX variables): on a step that
   :func:`jaxmp.loss_scaling` skipped, ``old`` comes back bit-identical. The
   flag is the ``last_finite`` of the loss-scaling state in ``opt_state``,
-  found wherever it sits (a chain, ``inject_hyperparams``, ``MultiSteps``,
-  an ``nnx.Optimizer``, a :class:`jaxmp.flax.TrainState`); the choice is a
+  found wherever it sits (a chain, ``inject_hyperparams``, an
+  ``nnx.Optimizer``, a :class:`jaxmp.flax.TrainState`); the choice is a
   ``jnp.where`` per leaf, with no host synchronisation. Call it after the
   optimizer's update. Leaves of ``new`` in another dtype are cast to
   ``old``'s, so that a jitted step does not retrace.
+
+  Under gradient accumulation, ``new`` is kept where *this micro-batch's*
+  gradients were finite: the ``skip_state["should_skip"]`` that
+  :func:`jaxmp.multi_steps` records, as does ``optax.MultiSteps(...,
+  should_skip_update_fn=optax.skip_not_finite)``. A plain ``optax.MultiSteps``
+  records no such flag and is refused.
 
   Args:
     opt_state: the optimizer state after this step's update (or anything
@@ -53,8 +61,9 @@ def keep_on_skip(opt_state: Any, new: Any, old: Any) -> Any:
 
   Raises:
     ValueError: if ``opt_state`` holds no loss-scaling state (or more than
-      one), ``new`` and ``old`` differ in structure or shapes, or ``old``
-      holds the very NNX variables ``new`` holds (not a copy).
+      one) or holds it inside an ``optax.MultiSteps`` without
+      ``skip_not_finite``, ``new`` and ``old`` differ in structure or
+      shapes, or ``old`` holds the very NNX variables ``new`` holds.
 
   For NNX, whose layers update their variables in place, take a copy of
   them before the step and write the kept ones back after the update:
@@ -71,7 +80,7 @@ def keep_on_skip(opt_state: Any, new: Any, old: Any) -> Any:
     >>> jaxmp.keep_on_skip(opt_state, {"mean": jnp.full(2, jnp.inf)}, stats)
     {'mean': Array([0., 0.], dtype=float32)}
   """
-  applied = jnp.asarray(_find_state(opt_state, "jaxmp.keep_on_skip").last_finite)
+  applied = _applied(opt_state)
   _refuse_live_variables(new, old)
   check_same_structure(
       new, old, owner="jaxmp.keep_on_skip",
@@ -82,9 +91,35 @@ def keep_on_skip(opt_state: Any, new: Any, old: Any) -> Any:
 
   def select(new_leaf, old_leaf):
     new_leaf, old_leaf = jnp.asarray(new_leaf), jnp.asarray(old_leaf)
-    return jnp.where(applied, new_leaf.astype(old_leaf.dtype), old_leaf)
+    if new_leaf.dtype != old_leaf.dtype:  # (a typed PRNG key has no astype)
+      new_leaf = new_leaf.astype(old_leaf.dtype)
+    return jnp.where(applied, new_leaf, old_leaf)
 
   return jax.tree_util.tree_map(select, new, old)
+
+
+def _applied(opt_state: Any) -> jax.Array:
+  """Whether this step's values may be written: see keep_on_skip."""
+  applied = jnp.asarray(_find_state(opt_state, "jaxmp.keep_on_skip").last_finite)
+  [(path, _)] = loss_scaling_states_with_path(opt_state)
+  for outer, state in optax.tree_utils.tree_get_all_with_path(
+      opt_state, optax.MultiStepsState.__name__,
+      filtering=lambda _, x: isinstance(x, optax.MultiStepsState)):
+    if path[:len(outer)] != outer:  # not around the loss-scaling state
+      continue
+    skip = state.skip_state
+    if not (isinstance(skip, dict) and "should_skip" in skip
+            and set(skip) <= {"should_skip", "num_not_finite"}):
+      raise ValueError(
+          "jaxmp.keep_on_skip: the loss-scaling state sits inside "
+          "optax.MultiSteps, whose state does not record whether this "
+          f"micro-batch's gradients were finite (its skip_state is {skip!r}); "
+          "the flag of the last completed step would write the values of a "
+          "nan micro-batch. Use jaxmp.multi_steps(optax.adamw(1e-3), "
+          "loss_scale, k), which records it, or optax.MultiSteps(..., "
+          "should_skip_update_fn=optax.skip_not_finite).")
+    applied = ~jnp.asarray(skip["should_skip"])  # this micro-batch's
+  return applied
 
 
 def _refuse_live_variables(new: Any, old: Any) -> None:
@@ -238,8 +273,9 @@ def retry_skipped(
   ``max_retries`` times (not for static and no-op scales, which a skip does
   not change); then, if still skipped, ``fallback`` (a step of the same
   signature, e.g. the same step under a wider policy) runs once the same way.
-  Only a batch still non-finite after that is lost, and leaves the state as a
-  plain skipped step does.
+  Only a batch still non-finite after that is lost, and leaves the state
+  bit-identical to the plain step's skip: the scale backed off once, as the
+  first attempt left it (``info.loss_scale`` is the last attempt's).
 
   * **A finite step is the plain step**, bit for bit: the step is the body of
     a ``lax.while_loop`` whose first iteration is the step itself, and that
@@ -260,9 +296,11 @@ def retry_skipped(
   :func:`jaxmp.multi_steps` drops every micro-batch of the accumulated step,
   and a retry could only recompute the last.
 
+  Inside ``shard_map``, ``aux`` may vary over the devices (each one's loss).
+
   Args:
     step: the train step, ``step(state, *args, **kwargs) -> (state, aux)``;
-      the state it returns has the structure of the one it takes.
+      the state it returns has the structure and shapes of the one it takes.
     max_retries: how many times to run a skipped step again (0 goes straight
       to the fallback). Default 4: down to ``2**-4`` of the scale with the
       default backoff.
@@ -275,10 +313,11 @@ def retry_skipped(
 
   Raises:
     TypeError: if ``max_retries`` is not an integer, or ``fallback`` not
-      callable.
+      callable; when called, if the step returns no ``(state, aux)``.
     ValueError: if ``max_retries`` is out of range; when called, if the
       state holds no loss-scaling state (or more than one), or holds it
-      inside gradient accumulation.
+      inside gradient accumulation, or the step returns a state of another
+      structure.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxmp
@@ -318,12 +357,12 @@ def retry_skipped(
       pure, as_pure_step, write_back = nnx_adapter.split_for_loop(state)
 
       def as_step(fn):
-        return as_pure_step(lambda objects: fn(objects, *args, **kwargs))
+        return as_pure_step(lambda objects: _state_and_aux(fn, objects, args, kwargs))
     else:
       pure = state
 
       def as_step(fn):
-        return lambda pure_state: fn(pure_state, *args, **kwargs)
+        return lambda pure_state: _state_and_aux(fn, pure_state, args, kwargs)
 
     layout = _layout(state, pure)
     leaves, treedef = jax.tree_util.tree_flatten(pure)
@@ -358,6 +397,12 @@ def retry_skipped(
     def as_arrays_step(fn):
       def arrays_step(arrays):
         new, aux = fn(tree_of(arrays))
+        check_same_structure(
+            new, tree_of(arrays), owner="jaxmp.retry_skipped",
+            names=("the state the step returned", "the state it took"),
+            fix="The loop that runs a skipped step again carries the state "
+            "it took: return a state of its structure and shapes (create "
+            "every entry before the first step, e.g. in the initial state).")
         return arrays_of(new), aux
       return arrays_step
 
@@ -370,11 +415,11 @@ def retry_skipped(
     last = limit + (fall_back is not None)
 
     def again(carry):
-      pure_state, _, attempts, _, _ = carry
+      pure_state, _, attempts, _, _, _ = carry
       return (attempts == 0) | (~applied(pure_state) & (attempts <= last))
 
     def run(carry):
-      pure_state, _, attempts, _, _ = carry
+      pure_state, _, attempts, _, _, first = carry
       start = start_from(pure_state)
       if fall_back is None:
         falls_back = jnp.zeros([], jnp.bool_)
@@ -382,14 +427,20 @@ def retry_skipped(
       else:
         falls_back = attempts > limit
         new, aux = jax.lax.cond(falls_back, fall_back, attempt, start)
-      return new, aux, attempts + 1, scale_of(start), falls_back
+      # The loss scale after the first attempt: the plain step's.
+      first = [jnp.where(attempts == 0, a, b) for a, b in zip(scale_of(new), first)]
+      return new, aux, attempts + 1, scale_of(start), falls_back, first
 
-    zeros = jax.tree_util.tree_map(
-        lambda s: jnp.zeros(s.shape, s.dtype), aux_shape)
-    carry = (pure, zeros, jnp.zeros([], jnp.int32), scale_of(pure),
-             jnp.zeros([], jnp.bool_))
-    pure, aux, attempts, scale, fell_back = jax.lax.while_loop(again, run, carry)
+    carry = (pure, jax.tree_util.tree_map(_zeros, aux_shape),
+             jnp.zeros([], jnp.int32), scale_of(pure), jnp.zeros([], jnp.bool_),
+             scale_of(pure))
+    pure, aux, attempts, scale, fell_back, first = jax.lax.while_loop(
+        again, run, carry)
     finite = applied(pure)
+    # A lost batch leaves the state as the plain step's skip does: the
+    # retries' backoffs are undone.
+    for i, plain_scale in zip(layout.scale, first):
+      pure[position[i]] = jnp.where(finite, pure[position[i]], plain_scale)
     retries = attempts - 1 - fell_back.astype(jnp.int32)
     recovered, fallback_steps = position[layout.recovered], position[layout.fallback]
     pure[recovered] = pure[recovered] + (
@@ -406,6 +457,26 @@ def retry_skipped(
     return pure, aux, info
 
   return recovering_step
+
+
+def _state_and_aux(step: Callable[..., Any], state: Any, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> tuple[Any, Any]:
+  """``step(state, *args, **kwargs)``, refused unless it is ``(state, aux)``."""
+  out = step(state, *args, **kwargs)
+  alone = jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(state)
+  if alone or not (isinstance(out, tuple) and len(out) == 2):
+    raise TypeError(
+        "jaxmp.retry_skipped: the step must return (state, aux); it returned "
+        + ("the state alone" if alone else f"a {type(out).__name__}")
+        + ". Return an aux too: return (params, opt_state), loss (or None).")
+  return out
+
+
+def _zeros(shape: jax.ShapeDtypeStruct) -> jax.Array:
+  """Zeros of ``shape``, varying over the ``shard_map`` axes it varies over."""
+  zeros = jnp.zeros(shape.shape, shape.dtype)
+  axes = jaxprs.manual_axes(shape)
+  return jax.lax.pcast(zeros, tuple(axes), to="varying") if axes else zeros
 
 
 def _is_array(x: Any) -> bool:
