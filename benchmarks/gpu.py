@@ -78,6 +78,7 @@ import policy_speed
 
 import jaxmp
 import train_lm
+from jaxmp._src.hardware import hardware_report  # what `jaxmp doctor` prints
 
 # Dense (no sparsity) peak TFLOP/s of the tensor cores, half the "with
 # sparsity" figures of NVIDIA's H100 datasheet (SXM5, PCIe, NVL) and H200
@@ -573,6 +574,7 @@ def measure(args) -> dict[str, Any]:
       "date": datetime.date.today().isoformat(),
       "machine": overhead.machine_description(),
       "versions": versions(),
+      "hardware": hardware_report().as_dict(),
       "tiny": args.tiny,
       "config": {k: v for k, v in vars(args).items() if k != "out"},
       "peak": peak_name(device.device_kind) if device.platform == "gpu" else None,
@@ -603,8 +605,11 @@ def markdown(results: dict[str, Any]) -> str:
       f"Run: `make bench-gpu` (benchmarks/gpu.py) on {machine['device_kind']} "
       f"({machine['platform']}), {results['date']}; JAX {v.get('jax')}, jaxlib "
       f"{v.get('jaxlib')}, flax {v.get('flax')}, optax {v.get('optax')}, jmp "
-      f"{v.get('jmp')}." + (" Tiny models (--tiny): the code path, no figure "
-                            "worth reading." if results["tiny"] else ""),
+      f"{v.get('jmp')}; compute capability "
+      f"{results['hardware']['compute_capability']}, native FP8: "
+      f"{results['hardware']['native_float8']}." + (
+          " Tiny models (--tiny): the code path, no figure worth reading."
+          if results["tiny"] else ""),
       "",
       "MFU: 6 × matmul parameters + 12 × layers × d_model × sequence FLOPs per "
       "token over the dense peak of " + (
