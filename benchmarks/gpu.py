@@ -7,8 +7,8 @@ params, donated state:
   sequence 1024) and parameter count: 124.4M, with a vocabulary of 25,088
   tokens, so that the untied embedding and output layer hold what GPT-2's
   tied 50,257-token embedding holds. The batch is the largest whose float32
-  step fits the device with the other steps' states (the compiler's memory
-  analysis of a batch of one, scaled);
+  step fits the device beside the other steps' states, by the compiler's
+  memory analysis (``largest_batch``);
 * ``demo-4m``: the 4.1M-parameter model of ``overhead.py`` and
   ``policy_speed.py`` (d_model 256, 5 layers, batch 8x128).
 
@@ -218,28 +218,51 @@ def memory_bytes(compiled) -> int:
              + m.output_size_in_bytes - m.alias_size_in_bytes)
 
 
-def largest_batch(lower_at, state_bytes: int, limit: int, held: int) -> dict[str, Any]:
-  """The largest batch whose step fits ``limit`` bytes beside ``held`` ones.
+def largest_batch(lower_at, limit: int, held: int) -> dict[str, Any]:
+  """The largest batch whose step fits 90% of ``limit`` bytes beside ``held`` ones.
 
-  ``lower_at(batch_size)`` lowers the step. It is compiled at a batch of one,
-  without autotuning on a GPU (memory, not speed, is asked); everything but
-  the state is taken to grow with the batch, which slightly overestimates
-  (the gradients' buffers do not grow) and so errs on the side of fitting.
+  ``lower_at(batch_size)`` lowers the step, and the compiler's memory analysis
+  (without autotuning on a GPU: memory, not speed, is asked) gives what it
+  holds. The memory at batches of 4 and 8 gives a line, where the line meets
+  the target gives a batch, and that batch is compiled to check; where it
+  does not fit, the line through it and the nearest smaller batch gives the
+  next (two checks at most; ``fits`` says whether the batch returned was
+  checked and fits). XLA's memory grows a little faster than the batch, so
+  the first guess tends to be a little too large.
   """
-  lowered = lower_at(1)
-  try:
-    no_autotuning = {"xla_gpu_autotune_level": 0} if jax.default_backend() == "gpu" else {}
-    compiled = lowered.compile(compiler_options={**overhead.DEFAULT_CODEGEN,
-                                                 **no_autotuning})
-  except Exception:  # pylint: disable=broad-except
-    compiled = lowered.compile(compiler_options=overhead.DEFAULT_CODEGEN)
-  one = memory_bytes(compiled)
-  per_example = max(one - state_bytes, 1)
-  usable = int(0.9 * limit) - held - state_bytes
-  return {"batch_size": max(usable // per_example, 1), "bytes_at_batch_1": one,
-          "bytes_per_example": per_example, "limit_bytes": limit,
-          "held_bytes": held, "rule": "0.9 x limit - held - state, over the "
-          "bytes per example at a batch of one"}
+  def memory_at(batch_size):
+    lowered = lower_at(batch_size)
+    try:
+      no_autotuning = ({"xla_gpu_autotune_level": 0}
+                       if jax.default_backend() == "gpu" else {})
+      compiled = lowered.compile(compiler_options={**overhead.DEFAULT_CODEGEN,
+                                                   **no_autotuning})
+    except Exception:  # pylint: disable=broad-except
+      compiled = lowered.compile(compiler_options=overhead.DEFAULT_CODEGEN)
+    return memory_bytes(compiled)
+
+  target = int(0.9 * limit) - held
+  memory = {4: memory_at(4), 8: memory_at(8)}
+
+  def meets(lower: int, upper: int) -> int:
+    slope = max((memory[upper] - memory[lower]) / (upper - lower), 1.0)
+    return max(lower + int((target - memory[lower]) // slope), 1)
+
+  batch = meets(4, 8)
+  for _ in range(2):
+    if batch not in memory:
+      memory[batch] = memory_at(batch)
+    if memory[batch] <= target:
+      break
+    smaller = [b for b in memory if b < batch]
+    batch = (max(min(meets(max(smaller), batch), batch - 1), 1) if smaller
+             else max(batch // 2, 1))
+  return {"batch_size": batch, "fits": memory.get(batch, target + 1) <= target,
+          "memory_by_batch": {str(b): m for b, m in sorted(memory.items())},
+          "target_bytes": target, "limit_bytes": limit, "held_bytes": held,
+          "rule": "the compiler's memory at batches of 4 and 8, a line through "
+          "them to 90% of the limit less the other states, checked at the "
+          "batch chosen"}
 
 
 def state_bytes(state) -> int:
@@ -535,11 +558,10 @@ def run_model(run: Run, spec: Model) -> None:
     try:
       probe = precision_configs(spec, model, make_batch(spec, 1), params,
                                 names=("float32",))[0]
-      state = state_bytes(probe.state)
       # The guard group's six states are live at once.
       entry["batch_rule"] = largest_batch(
-          lambda b: probe.lower(probe.state, make_batch(spec, b)), state,
-          memory["bytes_limit"], held=5 * state)
+          lambda b: probe.lower(probe.state, make_batch(spec, b)),
+          memory["bytes_limit"], held=5 * state_bytes(probe.state))
       batch_size = entry["batch_rule"]["batch_size"]
     except Exception as error:  # pylint: disable=broad-except
       batch_size = TINY_BATCH * 4
@@ -639,9 +661,11 @@ def markdown(results: dict[str, Any]) -> str:
               f"{spec.get('d_model')}, {spec.get('layers')} layers, "
               f"{spec.get('heads')} heads, vocabulary {spec.get('vocab')}), batch "
               f"{entry.get('batch_size')}×{spec.get('seq_len')}"
-              + (f" (the largest whose float32 step fits: {rule['bytes_per_example'] / 2**30:.2f} "
-                 f"GiB per example, {rule['limit_bytes'] / 2**30:.1f} GiB limit)"
-                 if "bytes_per_example" in rule else "") + "."]
+              + (f" (the largest whose float32 step fits, by the compiler: "
+                 f"{rule['memory_by_batch'][str(entry['batch_size'])] / 2**30:.1f} "
+                 f"GiB of a {rule['limit_bytes'] / 2**30:.1f} GiB limit)"
+                 if str(entry.get("batch_size")) in rule.get("memory_by_batch", {})
+                 else "") + "."]
     for group_name, group in entry.get("groups", {}).items():
       lines.append("")
       if "rows" not in group:
