@@ -79,7 +79,6 @@ import policy_speed
 
 import jaxmp
 import train_lm
-from jaxmp._src.hardware import hardware_report  # what `jaxmp doctor` prints
 
 # Dense (no sparsity) peak TFLOP/s of the tensor cores, half the "with
 # sparsity" figures of NVIDIA's H100 datasheet (SXM5, PCIe, NVL) and H200
@@ -607,7 +606,7 @@ def measure(args) -> dict[str, Any]:
       "date": datetime.date.today().isoformat(),
       "machine": overhead.machine_description(),
       "versions": versions(),
-      "hardware": hardware_report().as_dict(),
+      "hardware": jaxmp.hardware_report().as_dict(),  # `jaxmp doctor`
       "tiny": args.tiny,
       "config": {k: v for k, v in vars(args).items() if k != "out"},
       "peak": peak_name(device.device_kind) if device.platform == "gpu" else None,
