@@ -25,17 +25,17 @@ process (medians):
    manual pattern, ``optax.apply_if_finite``, Flax's ``DynamicScale``) and
    jaxmp with the forms written for XLA:CPU (``JAXMP_INPLACE_SELECT=1``,
    ``JAXMP_GROUPED_CHECK=1``): each step time against the unguarded one;
-3. profile: one ``jax.profiler`` trace each of the unguarded, the jaxmp and
-   the FP8 step, their kernel time per step by category (GEMMs, FP8
-   quantize/amax, the finiteness check, the optimizer update, the select,
-   the loss scale, the rest), from the kernels' HLO ops.
+3. profile: a ``jax.profiler`` trace each of the unguarded, the jaxmp, the
+   CPU-forms and the FP8 step, their kernel time per step by category
+   (GEMMs, FP8 quantize/amax, the finiteness check, the optimizer update,
+   the select, the loss scale, the rest), from the kernels' HLO ops.
 
 For a timed run: ``--budget-seconds`` caps the run. The groups run in order
 of importance, each keeping back time for the ones after it (``RESERVE``); a
 compilation that would not end before that is skipped and recorded, and the
 rounds stop early where time runs short. An out-of-memory or any other
 failure is recorded for its configuration, and the results are written after
-every configuration. ``--tiny`` runs both models at a tiny size in seconds on a CPU
+every configuration. ``--tiny`` runs both models at a tiny size on a CPU
 (the code path; no figure worth reading).
 
 Usage::
