@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast test-min test-slow docs docs-serve bench clean
+.PHONY: demo test test-fast test-min test-slow docs docs-serve bench bench-gpu clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,21 @@ demo: $(VENV)/.installed-examples
 bench: $(VENV)/.installed-examples
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/policy_speed.py
+
+# On one NVIDIA GPU (an H100 or H200; at most 8 minutes): float32, bfloat16,
+# float16 and FP8 at 124M and 4.1M parameters, the guard against its peers and
+# where the step's time goes (benchmarks/gpu.py); writes
+# benchmarks/results/gpu/gpu.{md,json}. Installs JAX's CUDA wheels (GPU_JAX);
+# where Python already has them, `python benchmarks/gpu.py` runs the same.
+# Flags through BENCH_ARGS, e.g. BENCH_ARGS="--budget-seconds 300".
+GPU_JAX ?= jax[cuda12]
+
+$(VENV)/.installed-gpu: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e ".[examples]" "$(GPU_JAX)"
+	touch $@
+
+bench-gpu: $(VENV)/.installed-gpu
+	$(PY) benchmarks/gpu.py $(BENCH_ARGS)
 
 # Everything: the unit tier, the integration tier (examples, benchmarks,
 # several processes, the documentation site, long fault-injection runs) and the

@@ -6,11 +6,11 @@ the ``XLA_FLAGS`` it was started with, with one form of the check in
 CPU seconds of trace, lower and compile (as ``scaling.py`` measures them),
 and appends them as one JSON line to ``--out``. The forms:
 
-* ``by-shape`` (``jaxmp.all_finite``, the default): the leaves grouped by
+* ``by-shape`` (``jaxmp.all_finite`` on a CPU, the default): the leaves grouped by
   shape and dtype, one variadic ``lax.reduce`` over the tuple of each group's
   ``isfinite`` operands (one reduce op per distinct shape);
-* ``per-leaf`` (the check jaxmp shipped before): ``jnp.all(jnp.isfinite(x))``
-  per leaf, stacked and reduced;
+* ``per-leaf`` (the check jaxmp shipped before, and its form off a CPU):
+  ``jnp.all(jnp.isfinite(x))`` per leaf, stacked and reduced;
 * ``pairs``: one two-operand reduce per leaf (jaxmp's reduce applied to each
   leaf alone);
 * ``by-size``: the leaves grouped by size whatever their shape, flattened, one
@@ -53,7 +53,7 @@ from jaxmp._src.loss_scale import leaf_finite_flags  # pylint: disable=wrong-imp
 
 
 def all_finite_per_leaf(tree: Any) -> jax.Array:
-  """The check jaxmp shipped before: ``jnp.all(jnp.isfinite(x))`` per leaf."""
+  """``jnp.all(jnp.isfinite(x))`` per leaf: ``jaxmp.all_finite`` off a CPU."""
   leaves = jax.tree_util.tree_leaves(tree)
   if not leaves:
     return jnp.array(True)

@@ -440,25 +440,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
       print(f"compiled {name}: {figures[name]['compile_seconds']:.2f} CPU s",
             file=sys.stderr)
 
-  # Warm up, then time interleaved rounds; the order rotates every round.
-  for name, compiled in compiled_steps.items():
-    for _ in range(args.warmup_steps):
-      states[name], loss = compiled(states[name], batch)
-    jax.block_until_ready(loss)
+  warm_up(compiled_steps, states, batch, args.warmup_steps)
   names = list(compiled_steps)
-  step_seconds = {name: [] for name in names}
-  for round_index in range(args.rounds):
-    shift = round_index % len(names)
-    for name in names[shift:] + names[:shift]:
-      compiled, state = compiled_steps[name], states[name]
-      jax.block_until_ready(state)
-      started = time.perf_counter()
-      for _ in range(args.steps_per_round):
-        state, loss = compiled(state, batch)
-      jax.block_until_ready((state, loss))
-      step_seconds[name].append((time.perf_counter() - started) / args.steps_per_round)
-      states[name] = state
-    print(f"round {round_index + 1}/{args.rounds}", file=sys.stderr)
+  step_seconds = interleaved_rounds(compiled_steps, states, batch, args.rounds,
+                                    args.steps_per_round)
 
   base = figures["unguarded"]
   base_times = step_seconds["unguarded"]
@@ -482,6 +467,43 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
       "select_check": select_check,
       "variants": figures,
   }
+
+
+def warm_up(steps, states, batch, count: int) -> None:
+  """Runs each ``step(state, batch) -> (state, out)`` ``count`` times,
+  updating ``states`` (name -> state)."""
+  for name, step in steps.items():
+    out = None
+    for _ in range(count):
+      states[name], out = step(states[name], batch)
+    jax.block_until_ready(out)
+
+
+def interleaved_rounds(steps, states, batch, rounds: int, steps_per_round: int,
+                       deadline: float | None = None) -> dict[str, list[float]]:
+  """The seconds per step of each round, by name, of ``steps`` (name ->
+  ``step(state, batch) -> (state, out)``), timed in interleaved rounds whose
+  order rotates every round, so that a busy moment of the machine falls on
+  every step alike. Updates ``states``; stops after the round that ends past
+  ``deadline`` (``time.monotonic()``), if given.
+  """
+  names = list(steps)
+  seconds = {name: [] for name in names}
+  for round_index in range(rounds):
+    shift = round_index % len(names)
+    for name in names[shift:] + names[:shift]:
+      step, state = steps[name], states[name]
+      jax.block_until_ready(state)
+      started = time.perf_counter()
+      for _ in range(steps_per_round):
+        state, out = step(state, batch)
+      jax.block_until_ready((state, out))
+      seconds[name].append((time.perf_counter() - started) / steps_per_round)
+      states[name] = state
+    print(f"round {round_index + 1}/{rounds}", file=sys.stderr)
+    if deadline is not None and time.monotonic() > deadline:
+      break
+  return seconds
 
 
 def machine_description() -> dict[str, Any]:

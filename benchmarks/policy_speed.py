@@ -45,22 +45,24 @@ import train_lm  # pylint: disable=wrong-import-position
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16", train_lm.FP8_POLICY)
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-  """Compiles and times the step under each policy; returns the figures."""
-  config = train_lm.Config(
-      steps=10**6, batch_size=args.batch_size, seq_len=args.seq_len,
-      d_model=args.d_model, layers=args.layers, heads=args.heads, lr=1e-3,
-      init_scale=2.0**15, scale_period=2000, seed=0, eval_every=1, eval_batches=1,
-  )
-  model = train_lm.make_model(args.d_model, args.layers, args.heads, args.seq_len)
-  rng = np.random.default_rng(0)
-  batch = jnp.asarray(
-      rng.integers(0, 256, (args.batch_size, args.seq_len + 1)), jnp.int32)
-  init_params = model.init(jax.random.PRNGKey(0), batch[:, :-1])["params"]
-  n_params = sum(x.size for x in jax.tree_util.tree_leaves(init_params))
+def train_config(batch_size: int, seq_len: int, d_model: int, layers: int,
+                 heads: int) -> train_lm.Config:
+  """The demo's configuration for a benchmark of the train step."""
+  return train_lm.Config(
+      steps=10**6, batch_size=batch_size, seq_len=seq_len, d_model=d_model,
+      layers=layers, heads=heads, lr=1e-3, init_scale=2.0**15,
+      scale_period=2000, seed=0, eval_every=1, eval_batches=1)
 
-  figures, compiled_steps, states = {}, {}, {}
-  for name in POLICIES:
+
+def policy_steps(config: train_lm.Config, model, batch, init_params,
+                 names=POLICIES):
+  """name -> ``(jitted step, state, policy string)`` for each of ``names``.
+
+  The step is the demo's guarded ``step(*state, batch) -> (*state,
+  metrics)``; the FP8 one is its ``jaxmp.flax.TrainState`` step.
+  """
+  steps = {}
+  for name in names:
     policy = jaxmp.get_policy(name)
     if ",dot=fp8" in str(policy):  # FP8 matmuls: the demo's TrainState step
       state = (train_lm.make_fp8_state(config, model, policy, batch[:, :-1]),)
@@ -70,32 +72,47 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
       params = jax.tree_util.tree_map(lambda x: x.copy(), init_params)
       state = (params, tx.init(params))
       step = train_lm.make_train_step(train_lm.make_loss_fn(model, policy), tx)
+    steps[name] = (step, state, str(policy))
+  return steps
+
+
+def as_pair(compiled):
+  """A compiled ``step(*state, batch) -> (*state, metrics)`` as
+  ``step(state, batch) -> (state, metrics)``, ``state`` a tuple."""
+
+  def step(state, batch):
+    *state, metrics = compiled(*state, batch)
+    return tuple(state), metrics
+
+  return step
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+  """Compiles and times the step under each policy; returns the figures."""
+  config = train_config(args.batch_size, args.seq_len, args.d_model,
+                        args.layers, args.heads)
+  model = train_lm.make_model(args.d_model, args.layers, args.heads, args.seq_len)
+  rng = np.random.default_rng(0)
+  batch = jnp.asarray(
+      rng.integers(0, 256, (args.batch_size, args.seq_len + 1)), jnp.int32)
+  init_params = model.init(jax.random.PRNGKey(0), batch[:, :-1])["params"]
+  n_params = sum(x.size for x in jax.tree_util.tree_leaves(init_params))
+
+  figures, compiled_steps, states = {}, {}, {}
+  for name, (step, state, policy) in policy_steps(
+      config, model, batch, init_params).items():
     started = time.perf_counter()
     compiled = step.lower(*state, batch).compile(
         compiler_options=overhead.DEFAULT_CODEGEN)
     figures[name] = overhead.compiler_figures(compiled)
     figures[name]["compile_seconds"] = time.perf_counter() - started
-    figures[name]["policy"] = str(policy)
-    compiled_steps[name], states[name] = compiled, state
+    figures[name]["policy"] = policy
+    compiled_steps[name], states[name] = as_pair(compiled), state
     print(f"compiled {name}", file=sys.stderr)
 
-  for name, compiled in compiled_steps.items():
-    for _ in range(args.warmup_steps):
-      *states[name], metrics = compiled(*states[name], batch)
-    jax.block_until_ready(metrics)
-  step_seconds = {name: [] for name in POLICIES}
-  for round_index in range(args.rounds):
-    shift = round_index % len(POLICIES)
-    for name in POLICIES[shift:] + POLICIES[:shift]:
-      state = states[name]
-      started = time.perf_counter()
-      for _ in range(args.steps_per_round):
-        *state, metrics = compiled_steps[name](*state, batch)
-      jax.block_until_ready((state, metrics))
-      step_seconds[name].append(
-          (time.perf_counter() - started) / args.steps_per_round)
-      states[name] = state
-    print(f"round {round_index + 1}/{args.rounds}", file=sys.stderr)
+  overhead.warm_up(compiled_steps, states, batch, args.warmup_steps)
+  step_seconds = overhead.interleaved_rounds(
+      compiled_steps, states, batch, args.rounds, args.steps_per_round)
 
   base = step_seconds["float32"]
   for name in POLICIES:

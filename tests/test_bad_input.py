@@ -102,6 +102,13 @@ def update_with_select_switch(value):
   return call
 
 
+def all_finite_with_check_switch(value):
+  def call():
+    with mock.patch.dict(os.environ, {"JAXMP_GROUPED_CHECK": value}):
+      return jaxmp.all_finite(PARAMS)
+  return call
+
+
 def first_argument_value_and_grad(fun, *, has_aux=False):
   """A value-and-grad without argnums, as eqx.filter_value_and_grad."""
   return jax.value_and_grad(fun, has_aux=has_aux)
@@ -514,6 +521,9 @@ CASES = [
     Case("update: JAXMP_INPLACE_SELECT set to a word", update_with_select_switch("off"),
          ValueError, r"JAXMP_INPLACE_SELECT must be 1 .* or 0 .*, got 'off'",
          r"the plain optax\.tree\.where select"),
+    Case("all_finite: JAXMP_GROUPED_CHECK set to a word", all_finite_with_check_switch("on"),
+         ValueError, r"JAXMP_GROUPED_CHECK must be 1 .* or 0 .*, got 'on'",
+         r"one reduce per leaf"),
     Case("get_loss_scale: a state without one",
          lambda: jaxmp.get_loss_scale(optax.adam(1e-3).init(PARAMS)), ValueError,
          r"get_loss_scale: no jaxmp\.loss_scaling state found", NO_STATE_FIX),

@@ -74,6 +74,73 @@ def test_overhead_json(overhead_run):
     assert isinstance(figures["kernels"], int) and figures["kernels"] > 0
 
 
+@pytest.fixture(scope="module")
+def gpu_run(tmp_path_factory):
+  """benchmarks/gpu.py --tiny in this process, as overhead_run runs its script."""
+  out = tmp_path_factory.mktemp("gpu")
+  with contextlib.redirect_stdout(io.StringIO()), jax.numpy_dtype_promotion("standard"):
+    assert benchmark("gpu").main(
+        ["--tiny", "--budget-seconds", "3600", "--out", str(out)]) == 0
+  return json.loads((out / "gpu.json").read_text()), (out / "gpu.md").read_text()
+
+
+def test_the_gpu_benchmark_measures_every_model_and_precision(gpu_run):
+  results, table = gpu_run
+  assert list(results["models"]) == ["gpt2-124m", "demo-4m"]
+  assert results["date"] and results["versions"]["jax"] == jax.__version__
+  for model in results["models"].values():
+    assert model["parameters"] > 0 and model["model_flops_per_step"] > 0
+    precision = model["groups"]["precision"]
+    assert list(precision["rows"]) == ["float32", "mixed_bfloat16", "mixed_float16",
+                                       "mixed_fp8"]
+    for row in precision["rows"].values():
+      assert row["step_seconds_median"] > 0 and row["tokens_per_second"] > 0
+      assert row["time_ratio_vs_float32"] > 0 and row["time_ratio_vs_mixed_bfloat16"] > 0
+      assert row["memory_bytes"] > row["argument_bytes"] > 0
+      assert "mfu" not in row  # no peak for a CPU
+    guard = model["groups"]["guard"]
+    assert list(guard["rows"]) == [*VARIANTS, "jaxmp, CPU forms"]
+    for row in guard["rows"].values():
+      assert row["time_ratio_vs_unguarded"] > 0
+    profiles = {**guard["profile"], **precision["profile"]}
+    assert profiles["jaxmp"]["us_per_step"]["finiteness check"] > 0
+    assert profiles["jaxmp"]["select_us_per_step"] > 0
+    assert "finiteness check" not in profiles["unguarded"]["us_per_step"]
+    assert profiles["mixed_fp8"]["us_per_step"]["FP8 quantize/amax"] > 0
+    for profile in profiles.values():
+      assert profile["us_per_step"]["GEMMs"] > 0
+  assert table.startswith("Run: `make bench-gpu`") and "Targets (gpt2-124m): " in table
+
+
+def test_the_gpu_benchmark_sets_a_device_against_its_datasheet_peak():
+  gpu = benchmark("gpu")
+  kinds = {"NVIDIA H100 80GB HBM3": "H100 SXM", "NVIDIA H100 PCIe": "H100 PCIe",
+           "NVIDIA H100 NVL": "H100 NVL", "NVIDIA H200": "H200 SXM",
+           "NVIDIA H200 NVL": "H200 NVL", "NVIDIA A100-SXM4-80GB": None, "cpu": None}
+  assert {kind: gpu.peak_name(kind) for kind in kinds} == kinds
+
+
+def test_the_gpu_benchmark_batch_fits_the_memory_limit():
+  gpu = benchmark("gpu")
+  spec = gpu.TINY[0]
+  model = gpu.make_model(spec)
+  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, spec.seq_len), jnp.int32))["params"]
+  config = gpu.precision_configs(spec, model, gpu.make_batch(spec, 1), params,
+                                 names=("float32",))[0]
+
+  def lower_at(batch_size):
+    return config.lower(config.state, gpu.make_batch(spec, batch_size))
+
+  def memory(batch_size):
+    return gpu.memory_bytes(lower_at(batch_size).compile(compiler_options=DEFAULT_CODEGEN))
+
+  held = 3 * gpu.state_bytes(config.state)
+  limit = (memory(64) + held) / 0.9  # a batch of 64 just fits
+  rule = gpu.largest_batch(lower_at, limit, held)
+  assert rule["fits"] and 48 <= rule["batch_size"] <= 64
+  assert memory(rule["batch_size"]) + held <= 0.9 * limit
+
+
 def test_jaxmp_costs_less_than_its_peers(overhead_run):
   _, out = overhead_run
   variants = json.loads((out / "overhead.json").read_text())["variants"]

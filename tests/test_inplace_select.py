@@ -1,7 +1,9 @@
 """Tests of the in-place select of loss_scaling: same values as the plain update.
 
 Also the one compatibility test of the JAX internals it relies on, and the
-switch back to the plain select (``JAXMP_INPLACE_SELECT=0``).
+choice of forms by backend (``cpu_form``): the plain select
+(``JAXMP_INPLACE_SELECT=0``) and the finiteness check's
+(``JAXMP_GROUPED_CHECK``).
 """
 
 import functools
@@ -220,6 +222,42 @@ def test_the_switch_selects_the_select(monkeypatch):
   monkeypatch.setenv("JAXMP_INPLACE_SELECT", "yes")
   with pytest.raises(ValueError, match=r"must be 1 .* or 0 .*, got 'yes'"):
     temp_bytes()
+
+
+def test_the_switch_and_the_backend_choose_the_check(monkeypatch):
+  leaves = [jnp.ones((40, 50)), jnp.ones((40, 50)), jnp.ones(500)]
+  decisions = [  # (tree, finite): every form must decide alike
+      (leaves, True), ({}, True),
+      ({"w": leaves[0].at[3, 4].set(jnp.inf), "n": jnp.arange(3)}, False),
+      ({"w": leaves[2].at[7].set(jnp.nan), "z": jnp.zeros((0, 2))}, False),
+      ({"c": jnp.array([1.0 + 2.0j, 1j * jnp.inf], jnp.complex64)}, False)]
+  traced = []  # each check traced afresh, its function kept alive
+
+  def form():
+    """Which form all_finite takes now, after checking its decisions. On
+    XLA:CPU the grouped reduces read each leaf once; one reduce per leaf also
+    writes each leaf's isfinite mask and reads it back."""
+    for tree, finite in decisions:
+      assert bool(jaxmp.all_finite(tree)) is finite
+      traced.append(lambda t: jaxmp.all_finite(t))
+      assert bool(default_jit(traced[-1])(tree)) is finite
+    traced.append(lambda t: jaxmp.all_finite(t))
+    cost = default_jit(traced[-1]).lower(leaves).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    read = sum(x.nbytes for x in leaves)
+    return "grouped" if cost["bytes accessed"] <= read + 64 else "per leaf"
+
+  assert form() == "grouped"  # the default on a CPU
+  with monkeypatch.context() as m:  # jmp's form on a GPU
+    m.setattr(jax, "default_backend", lambda: "gpu")
+    assert form() == "per leaf"
+    m.setenv("JAXMP_GROUPED_CHECK", "1")  # the variable wins over the backend
+    assert form() == "grouped"
+  monkeypatch.setenv("JAXMP_GROUPED_CHECK", "0")
+  assert form() == "per leaf"
+  monkeypatch.setenv("JAXMP_GROUPED_CHECK", "yes")
+  with pytest.raises(ValueError, match=r"JAXMP_GROUPED_CHECK must be 1 .* or 0 .*, got 'yes'"):
+    form()
 
 
 # Inside shard_map, with an optimizer state sharded over the manual axis.

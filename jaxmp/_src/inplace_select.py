@@ -7,7 +7,7 @@ in place, and once more in the parameter update, which then still needs the
 *old* moment and forces XLA to copy every moment first. On XLA:CPU, on a
 4M-parameter transformer, that costs +2.9% temp memory and +5.7% bytes
 accessed. (XLA's GPU compiler fuses the plain select instead, so there it is
-the default: see :func:`inplace_select_enabled`.)
+the default: see :func:`cpu_form`.)
 
 :func:`update_or_keep` instead traces the inner update to a jaxpr and
 evaluates it again (:func:`jaxprs.evaluate`) with a rule that binds each
@@ -36,30 +36,42 @@ import optax
 from jaxmp._src import jaxpr as jaxprs
 
 INPLACE_SELECT_ENV = "JAXMP_INPLACE_SELECT"
+GROUPED_CHECK_ENV = "JAXMP_GROUPED_CHECK"
+# What each variable's 1 (the form written for XLA:CPU) and 0 choose.
+_FORMS = {
+    INPLACE_SELECT_ENV: ("the in-place select of jaxmp.loss_scaling",
+                         "the plain optax.tree.where select"),
+    GROUPED_CHECK_ENV: ("the grouped reduces of jaxmp.all_finite",
+                        "one reduce per leaf"),
+}
 
 
-def inplace_select_enabled() -> bool:
-  """Whether the in-place select is on: ``JAXMP_INPLACE_SELECT=1``, or unset on a CPU.
+def cpu_form(variable: str) -> bool:
+  """Whether the form written for XLA:CPU is on: ``variable`` is 1, or unset on a CPU.
 
-  Unset, the default backend decides: on XLA:CPU the plain select copies
-  every optimizer-state leaf (+5.7% bytes accessed on the benchmark
-  transformer) and the in-place one does not; on a GPU (an H200) XLA fuses
-  the plain select into the update (-0.5% bytes) and the in-place one costs
-  +2.9%, at the same step time. Read each time an update is traced, so a step
-  compiled before the variable changed keeps the select it was compiled with.
+  The one choice of form by backend, for the select (``JAXMP_INPLACE_SELECT``)
+  and the finiteness check (``JAXMP_GROUPED_CHECK``). Unset, the default
+  backend decides. On XLA:CPU the plain select copies every optimizer-state
+  leaf (+5.7% bytes accessed on the benchmark transformer) and a one-operand
+  reduce writes its ``isfinite`` mask to memory; the in-place select and the
+  grouped variadic reduces do neither. On a GPU (an H200) XLA fuses the plain
+  select into the update (-0.5% bytes; in place +2.9%, at the same step
+  time), and jmp's check, one reduce per leaf, ran fastest of the four guards
+  (benchmarks/README.md). Read each time a step is traced, so a step compiled
+  before the variable changed keeps the forms it was compiled with.
 
   Raises:
     ValueError: if the variable holds anything but ``0`` or ``1``.
   """
-  value = os.environ.get(INPLACE_SELECT_ENV)
+  value = os.environ.get(variable)
   if value is None:
     return jax.default_backend() == "cpu"
   value = value.strip()
   if value not in ("0", "1"):
+    one, zero = _FORMS[variable]
     raise ValueError(
-        f"The environment variable {INPLACE_SELECT_ENV} must be 1 (the "
-        "in-place select of jaxmp.loss_scaling, the default) or 0 (the plain "
-        f"optax.tree.where select), got {value!r}."
+        f"The environment variable {variable} must be 1 ({one}, the default "
+        f"on a CPU) or 0 ({zero}, the default elsewhere), got {value!r}."
     )
   return value == "1"
 
@@ -165,7 +177,7 @@ def update_or_keep(
     Array([0., 0.], dtype=float32)
   """
   inputs = (finite, grads, state, params)
-  if not _is_traced(inputs) or not inplace_select_enabled():
+  if not _is_traced(inputs) or not cpu_form(INPLACE_SELECT_ENV):
     # Outside jit there is no fusion to help (and concrete values may take
     # other paths, e.g. integer powers), and the switch turns it off.
     return _update_then_select(update, finite, grads, state, params)

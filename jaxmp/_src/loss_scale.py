@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxmp._src.inplace_select import GROUPED_CHECK_ENV, cpu_form
 from jaxmp._src.validation import check_bool, check_number, check_state_value
 
 T = TypeVar("T")
@@ -557,9 +558,11 @@ def all_finite(tree: Any) -> jax.Array:
   An empty tree (``{}``, ``None``) is finite. A complex value is finite when
   both its real and imaginary parts are; integer and bool leaves are always
   finite. Works under ``jit``; under ``jit`` with sharded arrays the
-  reduction is global (XLA inserts the all-reduce). The leaves of one shape
-  and dtype are reduced together, in one pass that reads each leaf once and
-  writes no intermediate mask.
+  reduction is global (XLA inserts the all-reduce). On a CPU the leaves of one
+  shape and dtype are reduced together, in one pass that reads each leaf once
+  and writes no intermediate mask; elsewhere each leaf is reduced on its own,
+  as jmp does, which XLA:GPU can fuse with the kernel that produces the leaf.
+  ``JAXMP_GROUPED_CHECK=1`` or ``0`` picks one form everywhere.
 
   Example:
     >>> import jax.numpy as jnp, jaxmp
@@ -568,7 +571,11 @@ def all_finite(tree: Any) -> jax.Array:
     >>> bool(jaxmp.all_finite({}))
     True
   """
-  flags = leaf_finite_flags(jax.tree_util.tree_leaves(tree))
+  leaves = jax.tree_util.tree_leaves(tree)
+  if cpu_form(GROUPED_CHECK_ENV):
+    flags = leaf_finite_flags(leaves)
+  else:
+    flags = [jnp.isfinite(x).all() for x in leaves]
   if not flags:
     return jnp.array(True)
   return jnp.stack(flags).all()
