@@ -1,16 +1,12 @@
-"""Automatic mixed precision for any JAX function, at the level of operations.
-
-:func:`autocast` traces a function and evaluates its jaxpr again with
-``jaxpr.evaluate``, whose rule casts each operation's floating inputs by the
-rule of its primitive (``autocast_rules``) and binds the primitive: ``grad``,
-``jit``, ``vmap`` and ``checkpoint`` see an ordinary function, and the
-backward pass is the autodiff of the casts.
-"""
+"""Automatic mixed precision for any JAX function, at the level of operations:
+:func:`autocast` evaluates a function's jaxpr again (``jaxpr.evaluate``),
+casting each operation's floating inputs by its primitive's rule."""
 
 from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -21,7 +17,8 @@ import numpy as np
 from jax import lax
 
 from jaxmp._src import jaxpr as jaxprs
-from jaxmp._src.autocast_rules import KIND, autocast_rules, is_array, signature, trace
+from jaxmp._src.autocast_rules import (
+    KIND, autocast_rules, is_array, is_float, signature, trace)
 from jaxmp._src.frameworks import for_nnx_objects
 from jaxmp._src.policy import Policy, get_policy
 from jaxmp._src.rules import check_pattern, rule_table
@@ -33,10 +30,6 @@ _CARRY_ROUNDS = 4  # how often a loop's carry dtypes are derived before they are
 # sub of softmax's x - max(x) takes exp's, a norm's x * x the sum's.
 _FEEDING = {"exp": "sub", "exp2": "sub", "reduce_sum": "mul"}
 _MASKING = ("add", "select_n")  # how a mask meets the scores before a softmax
-
-
-def _is_floating(dtype: Any) -> bool:
-  return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
 def _widest(dtypes) -> np.dtype:
@@ -54,35 +47,26 @@ def _at_least(dtype: Any, floor: Any) -> np.dtype:
 class _Fact(NamedTuple):
   """What autocast knows of a value besides its dtype."""
 
-  # No operation computed it: an input, a constant, or what promote and
-  # as_is operations make of such alone. It takes the dtype of the computed
-  # values it meets, as a weakly typed scalar does.
+  # An input, a constant, or what promote and as_is operations make of such:
+  # it follows the computed values it meets, as a weakly typed scalar does.
   flexible: bool = False
   magnitude: float | None = None  # the largest finite constant it carries
   widened: bool = False  # computed by a float32 rule, or elementwise from one
-  # A move (KIND "move") of a flexible input: (eqn, params, inputs, index,
-  # its fact). It is cast before the move, so a param is cast once.
-  moved: Any = None
+  moved: Any = None  # a move of a flexible input: (eqn, params, inputs, index, fact)
 
 
 def _values(pairs):
   return [v for v, _ in pairs]
 
 
-def _inside(pairs):
-  """Values entering another trace level: a move recorded here is not there."""
-  return [(v, f._replace(moved=None)) for v, f in pairs]
+def _facts(pairs):
+  """The facts of values that enter another trace as new values."""
+  return [f._replace(moved=None) for _, f in pairs]
 
 
-def _flexible(flags):
-  return [_Fact(flexible=f) for f in flags]
-
-
-def _program(jaxpr):
-  return (jaxpr.jaxpr, jaxpr.consts) if jaxprs.is_closed(jaxpr) else (jaxpr, [])
-
-
-def _resolve_policy(policy: Any) -> Policy:
+def _policies(policy: Any, scope_policies: Mapping[str, Any] | None):
+  """The policy, and ``scopes -> (policy, pinned)``: the policy of the
+  innermost scope a pattern matches, else the policy."""
   if policy is None:
     raise TypeError(
         "jaxmp.autocast needs a policy: pass policy='mixed_bfloat16' (or any "
@@ -94,33 +78,28 @@ def _resolve_policy(policy: Any) -> Policy:
         "scope_policies={'name_scope_pattern': policy} instead, and the "
         "default policy as policy=.")
   try:
-    return get_policy(policy)
+    policy = get_policy(policy)
   except (TypeError, ValueError) as e:
     raise type(e)(f"jaxmp.autocast, policy: {e}") from None
 
+  def check_key(key):
+    try:
+      check_pattern("jaxmp.autocast scope_policies", key)
+    except ValueError as e:
+      raise ValueError(
+          f"{e} Patterns are regular expressions matched against whole scope "
+          "names or paths, e.g. 'head' or 'Block_0/LayerNorm_\\d+'; wrap a "
+          "literal name in re.escape(...).") from None
 
-def _check_scope_key(key: Any) -> None:
-  try:
-    check_pattern("jaxmp.autocast scope_policies", key)
-  except ValueError as e:
-    raise ValueError(
-        f"{e} Patterns are regular expressions matched against whole scope "
-        "names or paths, e.g. 'head' or 'Block_0/LayerNorm_\\d+'; wrap a "
-        "literal name in re.escape(...).") from None
-
-
-def _scope_policies(scope_policies: Mapping[str, Any] | None, default: Policy):
-  """``scopes -> (policy, pinned)``: the policy of the innermost matching scope."""
   rules = () if scope_policies is None else rule_table(
       "jaxmp.autocast scope_policies", scope_policies, None, False,
-      check_key=_check_scope_key, key_description="name-scope pattern").rules
-  compiled = [(re.compile(key), key, policy) for key, policy in rules]
+      check_key=check_key, key_description="name-scope pattern").rules
+  compiled = [(re.compile(key), key, p) for key, p in rules]
 
   @functools.cache
   def resolve(scopes: tuple[str, ...]) -> tuple[Policy, bool]:
     for end in range(len(scopes), 0, -1):
-      found = {key: policy for start in range(end - 1, -1, -1)
-               for pattern, key, policy in compiled
+      found = {key: p for start in range(end - 1, -1, -1) for pattern, key, p in compiled
                if pattern.fullmatch("/".join(scopes[start:end]))}
       if len(set(found.values())) > 1:
         raise ValueError(
@@ -130,9 +109,9 @@ def _scope_policies(scope_policies: Mapping[str, Any] | None, default: Policy):
             "scope wins; a tie is ambiguous).")
       if found:
         return next(iter(found.values())), True
-    return default, False
+    return policy, False
 
-  return resolve
+  return policy, resolve
 
 
 class _Evaluator:
@@ -140,11 +119,9 @@ class _Evaluator:
 
   def __init__(self, table: Mapping[str, str], scopes: Callable[..., Any]):
     self.table, self.scopes = table, scopes
-    # (id(value), dtype) -> (value, its cast): each value is cast once per dtype.
-    self._casts: dict[tuple[int, np.dtype], tuple[Any, Any]] = {}
+    self._casts = {}  # (id(value), dtype) -> (value, its cast): one cast per dtype
 
-  def child(self) -> _Evaluator:
-    """An evaluator for a program traced at another level (a loop body)."""
+  def child(self) -> _Evaluator:  # for a program traced at another level
     return _Evaluator(self.table, self.scopes)
 
   @staticmethod
@@ -152,40 +129,31 @@ class _Evaluator:
     """A constant of the program (a literal, a captured array), flexible."""
     magnitude = None
     if (isinstance(value, (np.ndarray, np.generic, float))
-        and _is_floating(jnp.result_type(value))):
+        and is_float(jnp.result_type(value))):
       finite = np.abs(np.asarray(value, np.float64))
       finite = finite[np.isfinite(finite)]
       magnitude = float(finite.max()) if finite.size else None
     return value, _Fact(flexible=True, magnitude=magnitude)
 
   def cast(self, value: Any, dtype: Any, fact: _Fact) -> Any:
-    dtype = np.dtype(dtype)
-    if dtype == jnp.result_type(value):
-      return value
-    key = (id(value), dtype)
-    if key not in self._casts:
-      if fact.moved:
+    key = (id(value), np.dtype(dtype))
+    if key[1] != jnp.result_type(value) and key not in self._casts:
+      if fact.moved:  # cast before the move
         eqn, params, inputs, index, source = fact.moved
-        inputs = list(inputs)
-        inputs[index] = self.cast(inputs[index], dtype, source)
-        cast = jaxprs.bind(eqn, inputs, params)[0]
+        inputs = [self.cast(x, dtype, source) if i == index else x
+                  for i, x in enumerate(inputs)]
+        self._casts[key] = value, jaxprs.bind(eqn, inputs, params)[0]
       else:
-        cast = self.convert(value, dtype, fact.magnitude)
-      self._casts[key] = (value, cast)
-    return self._casts[key][1]
+        self._casts[key] = value, self.convert(value, key[1], fact.magnitude)
+    return self._casts[key][1] if key in self._casts else value
 
   @staticmethod
   def convert(value: Any, dtype: np.dtype, magnitude: float | None) -> Any:
-    """``value`` in ``dtype``; if it carries a constant, saturated.
-
-    A constant keeps its meaning in a narrower dtype: a fill value such as
-    ``jnp.finfo(jnp.float32).min`` becomes the narrower dtype's most
-    negative finite number, not ``-inf``, and a nonzero one does not become
-    zero; infinities and NaNs stay. A host constant is converted on the host;
-    a value computed at run time is clamped only if its constant is out of
-    range.
-    """
-    if magnitude is None or not _is_floating(jnp.result_type(value)):
+    """``value`` in ``dtype``. A constant keeps its meaning: a fill such as
+    ``finfo(float32).min`` becomes the most negative finite number, not
+    ``-inf``, and a nonzero one stays nonzero (on the host); a computed value
+    that carries a constant out of range is clamped."""
+    if magnitude is None or not is_float(jnp.result_type(value)):
       return lax.convert_element_type(value, dtype)
     info, source = jnp.finfo(dtype), jnp.result_type(value)
     if isinstance(value, (np.ndarray, np.generic, float)):
@@ -200,8 +168,10 @@ class _Evaluator:
         lax.select(lax.is_finite(value), lax.clamp(low, value, high), value), dtype)
 
   def run(self, jaxpr, consts, ins, stack) -> list[tuple[Any, _Fact]]:
-    """Evaluates an open ``jaxpr`` on ``(value, fact)`` pairs under the name
-    stack ``stack``; returns its outputs as pairs."""
+    """Evaluates ``jaxpr`` (open, with ``consts``, or closed) on ``(value,
+    fact)`` pairs; returns pairs."""
+    if jaxprs.is_closed(jaxpr):
+      jaxpr, consts = jaxpr.jaxpr, jaxpr.consts
     shifts = self._shifts(jaxpr)
 
     def rule(eqn, eqn_ins, eqn_stack):
@@ -213,21 +183,18 @@ class _Evaluator:
 
   def _shifts(self, jaxpr) -> dict[int, tuple[str, bool]]:
     """``{id(eqn): (rule, only with a flexible input)}`` for the operations
-    that take the rule of their consumer (``_FEEDING``), so that neither
-    overflows before that rule applies; and for the ``add`` and ``select_n``
-    that compute softmax's ``x`` where a flexible value (a mask, given or a
-    constant) meets the scores: a fully masked row stays as float32 makes it.
-    """
+    that take their consumer's rule (``_FEEDING``), and for the ``add`` and
+    ``select_n`` that compute softmax's ``x`` where a flexible value (a mask,
+    given or a constant) meets the scores: a fully masked row stays uniform."""
     producers = {e.outvars[0]: e for e in jaxpr.eqns if e.primitive.name in (
         *_MASKING, *_FEEDING.values(), "convert_element_type")}
+    shifts = {}
 
     def producer(atom):
       eqn = None if jaxprs.is_literal(atom) else producers.get(atom)
       if eqn is not None and eqn.primitive.name == "convert_element_type":
         return producer(eqn.invars[0])
       return eqn
-
-    shifts = {}
 
     def masks(atom, rule):
       eqn = producer(atom)
@@ -250,28 +217,25 @@ class _Evaluator:
     if KIND.get(name) == "program":
       return _PROGRAMS[name](self, eqn, ins, stack)
     rule, flexible_only = shifts.get(id(eqn), (None, False))
-    if flexible_only and not any(
-        f.flexible for v, f in ins if _is_floating(jnp.result_type(v))):
+    if flexible_only and not any(f.flexible for v, f in ins if is_float(jnp.result_type(v))):
       rule = None
     rule = rule or self.table.get(name) or (
         "original" if jaxprs.inner_jaxprs(eqn.params) else "promote")
     new = eqn.params.get("new_dtype")
     if (name == "convert_element_type" and rule != "original" and ins[0][1].widened
-        and _is_floating(new) and np.dtype(new).itemsize == 2):
-      # A cast to 16 bits of what a float32 rule computed: the float32 rules
-      # hold for half-precision values too (a float16 sum is a float32 sum),
-      # so it stays float32, as PyTorch's autocast returns it.
+        and is_float(new) and np.dtype(new).itemsize == 2):
+      # A cast to 16 bits of what a float32 rule computed stays float32 (a
+      # float16 sum is a float32 sum), as PyTorch's autocast returns it.
       return [(ins[0][0], ins[0][1]._replace(flexible=False))]
     return self.apply(rule, eqn, ins, *self.scopes(jaxprs.name_parts(stack)[0]))
 
   def apply(self, rule, eqn, ins, policy, pinned) -> list[tuple[Any, _Fact]]:
     """Casts the inputs of ``eqn`` by ``rule`` and binds its primitive."""
     floor = policy.compute_dtype if pinned else None
-    targets = self._targets(rule, eqn, ins, policy, floor)
     out_shape = tuple(eqn.outvars[0].aval.shape) if eqn.outvars else ()
     spreads = rule == "promote" and KIND.get(eqn.primitive.name) == "elementwise"
     values = []
-    for (v, f), t in zip(ins, targets):
+    for (v, f), t in zip(ins, self._targets(rule, eqn, ins, policy, floor)):
       if t is None or t == jnp.result_type(v):
         values.append(v)
       elif spreads and f.flexible and jnp.ndim(v) == len(out_shape) and jnp.shape(v) != out_shape:
@@ -284,19 +248,19 @@ class _Evaluator:
         values.append(self.cast(v, t, f))
     params = dict(eqn.params)
     preferred = params.get("preferred_element_type")
-    if rule != "original" and _is_floating(preferred):
-      traced = [a.aval.dtype for a in eqn.invars if _is_floating(a.aval.dtype)]
-      dtypes = [jnp.result_type(v) for v in values if _is_floating(jnp.result_type(v))]
+    if rule != "original" and is_float(preferred):
+      traced = [a.aval.dtype for a in eqn.invars if is_float(a.aval.dtype)]
+      dtypes = [jnp.result_type(v) for v in values if is_float(jnp.result_type(v))]
       # JAX sets it to the inputs' dtype by default; wider was asked for, and is kept.
       if dtypes and not (traced and np.dtype(preferred).itemsize > max(
           np.dtype(d).itemsize for d in traced)):
         params["preferred_element_type"] = _widest(dtypes)
     outs = jaxprs.bind(eqn, values, params)
     if rule == "float32":
-      return [(o, _Fact(widened=_is_floating(jnp.result_type(o)))) for o in outs]
+      return [(o, _Fact(widened=is_float(jnp.result_type(o)))) for o in outs]
     if rule not in ("promote", "as_is"):
       return [(o, _Fact()) for o in outs]
-    in_facts = [f for v, (_, f) in zip(values, ins) if _is_floating(jnp.result_type(v))]
+    in_facts = [f for v, (_, f) in zip(values, ins) if is_float(jnp.result_type(v))]
     # An explicit cast between floating dtypes computes its output.
     flexible = all(f.flexible for f in in_facts) and not (
         in_facts and eqn.primitive.name == "convert_element_type")
@@ -305,23 +269,20 @@ class _Evaluator:
     moved = None
     if (flexible and len(in_facts) == 1 and len(outs) == 1
         and KIND.get(eqn.primitive.name) == "move"):
-      index = next(i for i, v in enumerate(values) if _is_floating(jnp.result_type(v)))
+      index = next(i for i, v in enumerate(values) if is_float(jnp.result_type(v)))
       moved = (eqn, params, tuple(values), index, ins[index][1])
     return [(o, _Fact(flexible, magnitude, widened and np.dtype(d).itemsize >= 4, moved)
-             if _is_floating(d) else _Fact(flexible))
+             if is_float(d) else _Fact(flexible))
             for o, d in ((o, jnp.result_type(o)) for o in outs)]
 
   @staticmethod
   def _targets(rule, eqn, ins, policy, floor) -> list[Any]:
     dtypes = [jnp.result_type(v) for v, _ in ins]
-    floating = [_is_floating(d) for d in dtypes]
-    if rule == "as_is":
-      return [None] * len(ins)
-    if rule == "original":
+    floating = [is_float(d) and rule != "as_is" for d in dtypes]
+    if rule in ("as_is", "original"):  # as they come, or as traced
       return [a.aval.dtype if fl and a.aval.dtype != d else None
               for a, d, fl in zip(eqn.invars, dtypes, floating)]
-    if rule == "compute":
-      # float8 inputs (quantized on purpose) are left alone but in a pinned scope.
+    if rule == "compute":  # float8 inputs, quantized on purpose, stay but when pinned
       c = policy.compute_dtype
       return [c if fl and (floor is not None or np.dtype(d).itemsize > 1
                            or np.dtype(c).itemsize == 1) else None
@@ -344,167 +305,124 @@ class _Evaluator:
     return targets
 
 
-# -- Programs inside programs: each rebuilt with the public API that made it.
-
-
+# Programs inside programs, each rebuilt with the public API that made it.
 def _cast_all(ev, pairs, dtypes):
-  return [ev.cast(v, d, f) if _is_floating(d) else v for (v, f), d in zip(pairs, dtypes)]
+  return [ev.cast(v, d, f) if is_float(d) else v
+          for (v, f), d in itertools.zip_longest(pairs, dtypes)]
+
+
+def _body(ev, program, consts, facts, stack, record, dtypes=(), split=None):
+  """A function of new values (arrays or lists of them) for the inputs of
+  ``program`` after ``consts``, with ``facts``, that evaluates it in its own
+  trace, records its outputs' flexibility in ``record``, casts them to
+  ``dtypes``, and returns them (cut in two at ``split``)."""
+  def body(*args):
+    inner = ev.child()
+    outs = inner.run(program, [], [
+        *consts, *zip(jax.tree_util.tree_leaves(args), facts)], stack)
+    record[:] = [f.flexible for _, f in outs]
+    outs = _cast_all(inner, outs, dtypes)
+    return outs if split is None else (outs[:split], outs[split:])
+  return body
 
 
 def _constrain(pairs, shardings):
-  if not shardings:
-    return pairs
   return [(v, f) if s is None or type(s).__name__ == "UnspecifiedValue" else
           (lax.with_sharding_constraint(v, s), f._replace(moved=None))
-          for (v, f), s in zip(pairs, shardings)]
+          for (v, f), s in zip(pairs, shardings or [None] * len(pairs))]
 
 
 def _inline(ev, eqn, ins, stack):
   """``jit`` and ``closed_call``: evaluated in place, shardings kept."""
   p = eqn.params
-  ins = _constrain(ins, p.get("in_shardings", ()))
-  outs = ev.run(*_program(p.get("jaxpr", p.get("call_jaxpr"))), ins, stack)
-  return _constrain(outs, p.get("out_shardings", ()))
+  outs = ev.run(p.get("jaxpr", p.get("call_jaxpr")), [],
+                _constrain(ins, p.get("in_shardings")), stack)
+  return _constrain(outs, p.get("out_shardings"))
 
 
 def _checkpoint(ev, eqn, ins, stack):
   """``jax.checkpoint``: the body is evaluated under a new checkpoint."""
-  flags, inside = [], _inside(ins)
-
-  def body(*args):
-    outs = ev.child().run(eqn.params["jaxpr"], [], [
-        (a, f) for a, (_, f) in zip(args, inside)], stack)
-    flags[:] = [f.flexible for _, f in outs]
-    return _values(outs)
-
-  outs = jax.checkpoint(body, prevent_cse=eqn.params["prevent_cse"],
-                        policy=eqn.params["policy"])(*_values(ins))
-  return list(zip(outs, _flexible(flags)))
+  flags = []
+  outs = jax.checkpoint(
+      _body(ev, eqn.params["jaxpr"], [], _facts(ins), stack, flags),
+      prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])(*_values(ins))
+  return list(zip(outs, map(_Fact, flags)))
 
 
-def _loop_body(ev, program, consts, n_carry, extra_facts, stack):
-  """``make(carry flags, carry dtypes or None, record)``: a loop body
-  ``(carry, extra=()) -> (new carry, other outputs)`` that evaluates
-  ``program`` on the consts, the carry and the extra inputs (a scan's
-  slices), casts the new carry to the dtypes and records its flexibility."""
-  def make(flags, dtypes, record):
-    def body(carry, extra=()):
-      inner = ev.child()
-      outs = inner.run(*_program(program), [
-          *_inside(consts), *zip(carry, _flexible(flags)),
-          *zip(extra, extra_facts)], stack)
-      record["flags"] = [f.flexible for _, f in outs[:n_carry]]
-      new = outs[:n_carry]
-      return (_values(new) if dtypes is None else _cast_all(inner, new, dtypes),
-              _values(outs[n_carry:]))
-    return body
-  return make
+def _loop(ev, eqn, ins, stack):
+  """``scan`` and ``while_loop``: the body follows the table, and each carry
+  keeps one dtype and flexibility. A carry starts as its initial value; a
+  flexible one takes the dtype the body computes for it, a computed one the
+  widest of what it starts as and what the body makes of it."""
+  p, scan = eqn.params, eqn.primitive.name == "scan"
+  n = p["num_consts"] if scan else p["cond_nconsts"] + p["body_nconsts"]
+  k = p["num_carry"] if scan else len(ins) - n
+  consts, init, xs = ins[0 if scan else p["cond_nconsts"]:n], ins[n:n + k], ins[n + k:]
 
+  def body(flags, dtypes, record):  # (carry, slices) -> (carry, other outputs)
+    return _body(ev, p["jaxpr"] if scan else p["body_jaxpr"], consts,
+                 [*map(_Fact, flags), *_facts(xs)], stack, record, dtypes, k)
 
-def _carry_types(make, init, slices):
-  """The dtype and flexibility of each loop carry. A carry starts as its
-  initial value; a flexible one takes the dtype the body computes for it, a
-  computed one the widest of what it starts as and what the body makes."""
   dtypes, flags = [jnp.result_type(v) for v, _ in init], [f.flexible for _, f in init]
+  slices = [jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)) for x, _ in xs]
   for _ in range(_CARRY_ROUNDS):
-    record = {}
-    shapes = jax.eval_shape(make(flags, None, record), [
-        jax.ShapeDtypeStruct(jnp.shape(v), d) for (v, _), d in zip(init, dtypes)],
-        slices)[0]
-    new = [(d, f) if not _is_floating(d) else
-           (np.dtype(s.dtype), False) if f and not of else
-           (_widest([d, s.dtype]), f and of)
-           for d, f, s, of in zip(dtypes, flags, shapes, record["flags"])]
+    record = []
+    shapes = jax.eval_shape(body(flags, (), record), [
+        jax.ShapeDtypeStruct(jnp.shape(v), d) for (v, _), d in zip(init, dtypes)], slices)[0]
+    new = [(d, f) if not is_float(d) else
+           (np.dtype(s.dtype), False) if f and not out_flag else
+           (_widest([d, s.dtype]), f and out_flag)
+           for d, f, s, out_flag in zip(dtypes, flags, shapes, record)]
     if new == list(zip(dtypes, flags)):
       break
-    dtypes, flags = [d for d, _ in new], [f for _, f in new]
-  return dtypes, flags
-
-
-def _scan(ev, eqn, ins, stack):
-  p = eqn.params
-  n, k = p["num_consts"], p["num_carry"]
-  init, xs = ins[n:n + k], ins[n + k:]
-  make = _loop_body(ev, p["jaxpr"], ins[:n], k, [f for _, f in _inside(xs)], stack)
-  slices = [jax.ShapeDtypeStruct(jnp.shape(x)[1:], jnp.result_type(x)) for x, _ in xs]
-  dtypes, flags = _carry_types(make, init, slices)
-  carry, ys = lax.scan(make(flags, dtypes, {}), _cast_all(ev, init, dtypes), _values(xs),
-                       length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
-  return [*zip(carry, _flexible(flags)), *((y, _Fact()) for y in ys)]
-
-
-def _while(ev, eqn, ins, stack):
-  p = eqn.params
-  n_cond, n_body = p["cond_nconsts"], p["body_nconsts"]
-  init = ins[n_cond + n_body:]
-  make = _loop_body(ev, p["body_jaxpr"], ins[n_cond:n_cond + n_body], len(init), [], stack)
-  dtypes, flags = _carry_types(make, init, [])
-
-  def cond(carry):
-    return _values(ev.child().run(*_program(p["cond_jaxpr"]), [
-        *_inside(ins[:n_cond]), *zip(carry, _flexible(flags))], stack))[0]
-
-  outs = lax.while_loop(cond, lambda carry: make(flags, dtypes, {})(carry)[0],
-                        _cast_all(ev, init, dtypes))
-  return list(zip(outs, _flexible(flags)))
+    dtypes, flags = map(list, zip(*new))
+  init, facts = _cast_all(ev, init, dtypes), list(map(_Fact, flags))
+  if scan:
+    carry, ys = lax.scan(body(flags, dtypes, []), init, _values(xs), length=p["length"],
+                         reverse=p["reverse"], unroll=p["unroll"])
+    return [*zip(carry, facts), *((y, _Fact()) for y in ys)]
+  cond = _body(ev, p["cond_jaxpr"], ins[:p["cond_nconsts"]], facts, stack, [])
+  carry = lax.while_loop(lambda c: cond(*c)[0], lambda c: body(flags, dtypes, [])(c)[0], init)
+  return list(zip(carry, facts))
 
 
 def _cond(ev, eqn, ins, stack):
-  operands = _inside(ins[1:])
-  branches = eqn.params["branches"]
-
-  def make(closed, dtypes, records):
-    def branch(*args):
-      inner = ev.child()
-      outs = inner.run(*_program(closed), [
-          (a, f) for a, (_, f) in zip(args, operands)], stack)
-      records.append([f.flexible for _, f in outs])
-      return _values(outs) if dtypes is None else _cast_all(inner, outs, dtypes)
-    return branch
-
-  records = []
-  shapes = [jax.eval_shape(make(b, None, records), *_values(operands)) for b in branches]
-  dtypes = [_widest([s[i].dtype for s in shapes]) if _is_floating(shapes[0][i].dtype)
-            else shapes[0][i].dtype for i in range(len(shapes[0]))]
-  outs = lax.switch(ins[0][0], [make(b, dtypes, []) for b in branches], *_values(operands))
-  return [(o, _Fact(flexible=all(r[i] for r in records))) for i, o in enumerate(outs)]
+  """``cond``: each branch follows the table; they agree on the widest outputs."""
+  branches, records = eqn.params["branches"], [[] for _ in eqn.params["branches"]]
+  operands, facts = _values(ins[1:]), _facts(ins[1:])
+  shapes = [jax.eval_shape(_body(ev, b, [], facts, stack, r), *operands)
+            for b, r in zip(branches, records)]
+  dtypes = [_widest([s[i].dtype for s in shapes]) if is_float(shape.dtype)
+            else shape.dtype for i, shape in enumerate(shapes[0])]
+  outs = lax.switch(ins[0][0], [_body(ev, b, [], facts, stack, [], dtypes)
+                                for b in branches], *operands)
+  return [(o, _Fact(all(r[i] for r in records))) for i, o in enumerate(outs)]
 
 
 def _custom_jvp(ev, eqn, ins, stack):
   """A ``custom_jvp`` function: its primal and its JVP rule both follow the table."""
   p = eqn.params
-  consts, primals = _inside(ins[:p["num_consts"]]), _inside(ins[p["num_consts"]:])
-
-  def primal_fn(*xs):
-    return _values(ev.child().run(*_program(p["call_jaxpr"]), [
-        *consts, *((x, f) for x, (_, f) in zip(xs, primals))], stack))
-
-  out_shapes = jax.eval_shape(primal_fn, *_values(primals))
-  fun = jax.custom_jvp(primal_fn)
+  primals, facts = _values(ins[p["num_consts"]:]), _facts(ins[p["num_consts"]:])
+  primal = _body(ev, p["call_jaxpr"], ins[:p["num_consts"]], facts, stack, [])
+  out_dtypes, fun = [s.dtype for s in jax.eval_shape(primal, *primals)], jax.custom_jvp(primal)
 
   @fun.defjvp
   def _(primals_in, tangents_in):
-    jvp_jaxpr, jvp_consts, zeros = p["jvp_jaxpr_fun"].call_wrapped(
-        *([False] * len(primals_in)))
+    jvp_jaxpr, consts, zeros = p["jvp_jaxpr_fun"].call_wrapped(*[False] * len(primals_in))
     inner = ev.child()
-    outs = inner.run(jvp_jaxpr, jvp_consts, [
-        *((x, f) for x, (_, f) in zip(primals_in, primals)),
-        *((t, _Fact()) for t in tangents_in)], stack)
-    primals_out = _cast_all(inner, outs[:len(zeros)], [s.dtype for s in out_shapes])
+    outs = inner.run(jvp_jaxpr, consts, [
+        *zip(primals_in, facts), *((t, _Fact()) for t in tangents_in)], stack)
+    primals_out = _cast_all(inner, outs[:len(zeros)], out_dtypes)
     nonzero, tangents = iter(outs[len(zeros):]), []
     for primal, zero in zip(primals_out, zeros):
-      if not jnp.issubdtype(primal.dtype, jnp.inexact):
-        tangents.append(np.zeros(primal.shape, jax.dtypes.float0))
-        if not zero:
-          next(nonzero)
-      elif zero:
-        tangents.append(jnp.zeros_like(primal))
-      else:
-        tangent, fact = next(nonzero)
-        tangents.append(inner.cast(tangent, primal.dtype, fact))
+      tangent, fact = (None, None) if zero else next(nonzero)
+      tangents.append(
+          np.zeros(primal.shape, jax.dtypes.float0)
+          if not jnp.issubdtype(primal.dtype, jnp.inexact) else
+          jnp.zeros_like(primal) if zero else inner.cast(tangent, primal.dtype, fact))
     return primals_out, tangents
 
-  return [(o, _Fact()) for o in fun(*_values(primals))]
+  return [(o, _Fact()) for o in fun(*primals)]
 
 
 def _custom_vjp(ev, eqn, ins, stack):
@@ -514,57 +432,45 @@ def _custom_vjp(ev, eqn, ins, stack):
 
 _PROGRAMS = {
     "jit": _inline, "pjit": _inline, "closed_call": _inline, "core_call": _inline,
-    "checkpoint": _checkpoint, "remat2": _checkpoint, "scan": _scan,
-    "while": _while, "cond": _cond, "custom_jvp_call": _custom_jvp,
-    "custom_vjp_call": _custom_vjp,
+    "checkpoint": _checkpoint, "remat2": _checkpoint, "scan": _loop, "while": _loop,
+    "cond": _cond, "custom_jvp_call": _custom_jvp, "custom_vjp_call": _custom_vjp,
 }
 
 
-def autocast(
-    fn: Callable[..., Any] | None = None,
-    policy: Any = None,
-    *,
-    rules: Mapping[Any, str] | None = None,
-    scope_policies: Mapping[str, Any] | None = None,
-) -> Callable[..., Any]:
+def autocast(fn: Callable[..., Any] | None = None, policy: Any = None, *,
+             rules: Mapping[Any, str] | None = None,
+             scope_policies: Mapping[str, Any] | None = None) -> Callable[..., Any]:
   """Returns ``fn`` running in mixed precision, operation by operation.
 
-  The returned function traces ``fn`` (once per abstract signature) and
-  evaluates its jaxpr again, casting each operation's floating inputs by the
-  rule of its primitive (:func:`jaxmp.autocast_rules`): matmuls and
-  convolutions in the compute dtype, range-sensitive operations (``exp``,
-  ``log``, softmax's ``x - max(x)``, sums) in float32, the rest in the widest
-  dtype of its inputs, where the function's inputs and constants follow what
-  they meet. The result is an ordinary JAX function; the autocast guide
-  (``docs/autocast.md``) gives the details.
+  The returned function traces ``fn`` once per abstract signature and casts
+  each operation's floating inputs by the rule of its primitive
+  (:func:`jaxmp.autocast_rules`): matmuls in the compute dtype, ``exp``,
+  ``log``, softmax and sums in float32, the rest in the widest dtype of its
+  inputs, where the function's inputs and constants follow what they meet.
+  The autocast guide (``docs/autocast.md``) gives the details.
 
   Args:
-    fn: the function, e.g. ``loss_fn(params, batch)``. Array arguments are
-      traced, others are static. Left out, ``autocast`` returns a decorator.
-    policy: a :class:`jaxmp.Policy` or anything :func:`jaxmp.get_policy`
-      accepts; floating outputs are cast to its ``output_dtype``.
+    fn: the function, e.g. ``loss_fn(params, batch)``; non-array arguments
+      are static. Left out, ``autocast`` returns a decorator.
+    policy: a :class:`jaxmp.Policy` or a spec of :func:`jaxmp.get_policy`;
+      floating outputs are cast to its ``output_dtype``.
     rules: overrides of the rule table, ``{primitive name: rule}``.
     scope_policies: ``{pattern: policy}``: operations under the innermost
       ``jax.named_scope`` (or Linen module) whose name or path the regular
-      expression matches wholly run under its policy, in at least its compute
-      dtype: ``{"head": "float32"}`` keeps the head in float32.
+      expression matches run in at least its compute dtype.
 
   Raises:
-    TypeError: if ``fn`` is not callable, or the policy, ``rules`` or
-      ``scope_policies`` are of the wrong kind.
+    TypeError: for a ``fn``, policy, ``rules`` or ``scope_policies`` of the
+      wrong kind.
     ValueError: for an unknown policy, primitive or rule, or a bad pattern.
 
   Example:
     >>> import jax, jax.numpy as jnp, jaxmp
     >>> w = jnp.ones((4, 4))  # float32, captured by the closure
-    >>> def loss(x):
-    ...   return jax.nn.log_softmax(x @ w).sum()
-    >>> fast_loss = jaxmp.autocast(loss, "mixed_bfloat16")
-    >>> jaxpr = jax.make_jaxpr(fast_loss)(jnp.ones((2, 4)))
-    >>> [[str(v.aval) for v in eqn.invars] for eqn in jaxpr.eqns
-    ...  if eqn.primitive.name == "dot_general"]
-    [['bfloat16[2,4]', 'bfloat16[4,4]']]
-    >>> fast_loss(jnp.ones((2, 4))).dtype
+    >>> fast = jaxmp.autocast(lambda x: jax.nn.log_softmax(x @ w).sum(), "mixed_bfloat16")
+    >>> jaxmp.precision_report(fast, jnp.ones((2, 4))).flops_by_dtype()
+    {('bfloat16', 'bfloat16'): 64}
+    >>> fast(jnp.ones((2, 4))).dtype
     dtype('float32')
   """
   if fn is None:
@@ -576,9 +482,8 @@ def autocast(
         f"{type(fn).__name__}. Call it as jaxmp.autocast(loss_fn, "
         "'mixed_bfloat16'), or as a decorator: "
         "@jaxmp.autocast(policy='mixed_bfloat16').")
-  resolved = _resolve_policy(policy)
+  resolved, scopes = _policies(policy, scope_policies)
   table = autocast_rules(rules)
-  scopes = _scope_policies(scope_policies, resolved)
 
   def on_objects():
     # NNX variables fn updates in place (BatchNorm statistics, RNG counts)
@@ -627,11 +532,10 @@ def _autocast_function(fn, policy, table, scopes, *, returns_state):
           del cache[next(iter(cache))]
     closed, out_tree, n_outputs = entry
     ev = _Evaluator(table, scopes)
-    arrays = [x for x in jax.tree_util.tree_leaves((args, kwargs)) if is_array(x)]
-    outs = ev.run(closed.jaxpr, closed.consts, [(x, _Fact(flexible=True)) for x in arrays],
-                  jaxprs.current_name_stack())
+    outs = ev.run(closed, [], [(x, _Fact(flexible=True)) for x in jax.tree_util.tree_leaves(
+        (args, kwargs)) if is_array(x)], jaxprs.current_name_stack())
     outs = [ev.cast(x, policy.output_dtype if i < n_outputs else aval.dtype, f)
-            if _is_floating(jnp.result_type(x)) else x
+            if is_float(jnp.result_type(x)) else x
             for i, ((x, f), aval) in enumerate(zip(outs, closed.out_avals))]
     return jax.tree_util.tree_unflatten(out_tree, outs)
 

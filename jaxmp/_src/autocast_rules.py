@@ -1,12 +1,7 @@
-"""The one table of JAX primitives that autocast and the precision audit read.
-
-Each primitive has a kind (:data:`KIND`). :func:`jaxmp.autocast` casts an
-operation's floating inputs by the rule of its kind (:func:`autocast_rules`
-gives the rules, with a user's overrides); the audit follows by the same kinds
-what each value is made of. Both are rules over ``jaxpr.evaluate``, and both
-enter the programs of the kind ``"program"``. The page ``docs/autocast.md``
-publishes the rules beside PyTorch's autocast op lists (a test keeps them equal).
-"""
+"""The one table of JAX primitives that autocast and the precision audit read:
+each primitive's kind (:data:`KIND`), whose rule autocast casts its inputs by
+(:func:`autocast_rules`) and by which the audit follows what values are made
+of, and the one trace of a function that both evaluate."""
 
 from __future__ import annotations
 
@@ -15,69 +10,62 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxmp._src import jaxpr as jaxprs
 
-# The rules of autocast: what it does with an operation's floating inputs
-# (integer and boolean inputs are never cast). docs/autocast.md says more.
+# What autocast does with an operation's floating inputs (docs/autocast.md).
 RULES = ("compute", "float32", "promote", "as_is", "original")
-
 # kind: (its rule, its primitives).
 _KINDS = {
-    # Matrix products and convolutions: in the compute dtype. The audit
-    # reports them.
+    # Matrix products and convolutions, in the compute dtype.
     "matmul": ("compute", "dot_general conv_general_dilated ragged_dot_general"),
-    # Range- and precision-sensitive, in at least float32: exponentials and
-    # logarithms (the sub that computes exp's argument, softmax's x - max(x),
-    # takes exp's rule, and so does a mask's add or select that computes its
-    # x), powers and roots (x**3 overflows float16 from x = 40), reductions
-    # that accumulate, special functions, trigonometric and hyperbolic
-    # functions with poles or steep slopes, linear algebra and FFTs.
-    "float32": ("float32", """
-        exp exp2 expm1 log log1p logistic reciprocal
-        pow integer_pow square sqrt rsqrt cbrt
-        reduce_sum reduce_prod cumsum cumprod cumlogsumexp reduce_window_sum
-        erf erfc erf_inv lgamma digamma polygamma zeta igamma igammac igamma_grad_a
-        bessel_i0e bessel_i1e regularized_incomplete_beta
-        tan acos asin sinh cosh asinh acosh atanh
+    # In at least float32: exponentials and logarithms, powers and roots (x**3
+    # overflows float16 from 40), sums, special functions, functions with
+    # poles or steep slopes, linear algebra and FFTs.
+    "float32": ("float32", """exp exp2 expm1 log log1p logistic reciprocal pow
+        integer_pow square sqrt rsqrt cbrt reduce_sum reduce_prod cumsum cumprod
+        cumlogsumexp reduce_window_sum erf erfc erf_inv lgamma digamma polygamma
+        zeta igamma igammac igamma_grad_a bessel_i0e bessel_i1e
+        regularized_incomplete_beta tan acos asin sinh cosh asinh acosh atanh
         cholesky eig eigh lu qr svd schur hessenberg householder_product
         triangular_solve tridiagonal tridiagonal_solve fft"""),
-    # Elementwise, broadcasting size-1 dimensions: the widest input wins.
-    "elementwise": ("promote", """
-        add add_any sub mul div rem neg abs sign max min nextafter floor ceil
-        round is_finite eq ne lt le gt ge eq_to le_to lt_to select_n clamp atan2
-        sin cos atan tanh real imag complex conj and or not xor shift_left
-        shift_right_arithmetic shift_right_logical population_count clz mulhi"""),
-    # Move the values of their one input, and transpose to moves: autocast
-    # casts a param before them, once however it is reshaped.
+    # Elementwise, broadcasting size-1 dimensions.
+    "elementwise": ("promote", """add add_any sub mul div rem neg abs sign max min
+        nextafter floor ceil round is_finite eq ne lt le gt ge eq_to le_to lt_to
+        select_n clamp atan2 sin cos atan tanh real imag complex conj and or not
+        xor shift_left shift_right_arithmetic shift_right_logical
+        population_count clz mulhi"""),
+    # Only move their one input's values, and transpose to moves.
     "move": ("promote", "reshape transpose squeeze slice dynamic_slice rev copy"),
-    # Outputs made of the values of their first input.
+    # Outputs made of their first input's values.
     "follow": ("promote", """broadcast_in_dim broadcast_to gather reduce_precision
         sharding_constraint reshard"""),
     "cast": ("promote", "convert_element_type"),
-    # Everything else that computes: the widest input wins. Reductions that
-    # do not accumulate are exact in any dtype; creators make new values.
-    "promote": ("promote", """
-        concatenate stack unstack split tile pad dynamic_update_slice
-        stop_gradient zeros_like
-        reduce_max reduce_min argmax argmin cummax cummin reduce_and reduce_or
-        reduce_xor reduce_window_max reduce_window_min sort top_k approx_top_k
-        iota rng_uniform random_bits random_seed random_wrap random_unwrap
-        random_fold_in random_split threefry2x32 rng_bit_generator random_gamma
-        create_token after_all"""),
-    # Outputs are the inputs, as they come.
+    # The rest that computes: reductions exact in any dtype, creators.
+    "promote": ("promote", """concatenate stack unstack split tile pad
+        dynamic_update_slice stop_gradient zeros_like reduce_max reduce_min argmax
+        argmin cummax cummin reduce_and reduce_or reduce_xor reduce_window_max
+        reduce_window_min sort top_k approx_top_k iota rng_uniform random_bits
+        random_seed random_wrap random_unwrap random_fold_in random_split
+        threefry2x32 rng_bit_generator random_gamma create_token after_all"""),
+    # Outputs are the inputs.
     "as_is": ("as_is", """optimization_barrier device_put psum pmax pmin ppermute
         all_gather all_to_all reduce_scatter pbroadcast pvary debug_callback
         debug_print name"""),
-    # The output's bits depend on the input's dtype: run as written.
+    # The output's bits depend on the input's dtype.
     "original": ("original", "bitcast_convert_type"),
-    # Hold programs, which both enter (a custom_vjp function runs as written).
+    # Hold programs, entered by both (a custom_vjp function runs as written).
     "program": (None, """jit pjit closed_call core_call checkpoint remat2 scan
         while cond custom_jvp_call custom_vjp_call"""),
 }
 KIND = {name: kind for kind, (_, names) in _KINDS.items() for name in names.split()}
 _DEFAULT = {name: _KINDS[kind][0] for name, kind in KIND.items() if kind != "program"}
+
+
+def is_float(dtype: Any) -> bool:
+  return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
 
 
 def is_array(x: Any) -> bool:
@@ -116,50 +104,17 @@ def trace(fn: Any, tree: Any) -> tuple[Any, Any, list[bool]]:
   return closed, out_shape, dynamic
 
 
-def _check_key(key: Any) -> str:
-  if jaxprs.is_primitive(key):
-    key = key.name  # a primitive object names any primitive, even a library's
-  elif not isinstance(key, str):
-    raise TypeError(
-        "jaxmp.autocast rules map primitive names (strings such as "
-        "'dot_general' or 'exp', or jax.extend.core.Primitive objects) to rule "
-        f"kinds; got the key {key!r} of type {type(key).__name__}.")
-  elif key not in KIND and key not in jaxprs.primitive_names():
-    close = difflib.get_close_matches(key, sorted(set(KIND) | jaxprs.primitive_names()), n=3)
-    hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
-    raise ValueError(
-        f"jaxmp.autocast rules: {key!r} is not the name of a JAX primitive.{hint}"
-        " Use the names that jax.make_jaxpr prints (e.g. 'dot_general', 'exp', "
-        "'reduce_sum'); for a primitive of another library, pass the "
-        "jax.extend.core.Primitive object itself as the key.")
-  if KIND.get(key) == "program":
-    raise ValueError(
-        f"jaxmp.autocast rules: {key!r} cannot be given a rule: autocast enters "
-        f"{key} and applies the table to the operations inside it. To run a "
-        "part of a model in another dtype, put it under jax.named_scope(...) "
-        "and pass scope_policies={'that_name': 'float32'}.")
-  return key
-
-
 def autocast_rules(overrides: Mapping[Any, str] | None = None) -> dict[str, str]:
   """Returns :func:`jaxmp.autocast`'s rule table, with ``overrides`` applied.
 
-  The table maps each primitive's name to a rule: ``"compute"`` (matmuls
-  and convolutions), ``"float32"`` (``exp``, ``log``, ``rsqrt``,
-  ``reduce_sum`` ...), ``"promote"`` (the widest input wins; the function's
-  inputs and constants follow what they meet), ``"as_is"`` or
-  ``"original"`` (as traced). Primitives not in it follow ``"promote"``, or
-  ``"original"`` if they hold a program (``shard_map``). The autocast guide,
-  ``docs/autocast.md``, lists it beside PyTorch's.
-
-  Args:
-    overrides: ``{primitive name or jax.extend.core.Primitive: rule}``.
-
-  Raises:
-    TypeError: if ``overrides`` is not a mapping, or a key is neither a
-      string nor a primitive.
-    ValueError: for an unknown primitive (with close names), one autocast
-      enters (``scan``, ``jit`` ...), or an unknown rule.
+  The table maps primitive names to rules: ``"compute"`` (matmuls),
+  ``"float32"`` (``exp``, ``rsqrt``, ``reduce_sum`` ...), ``"promote"`` (the
+  widest input wins; the function's inputs and constants follow what they
+  meet), ``"as_is"`` and ``"original"`` (as traced). Others follow
+  ``"promote"``, or ``"original"`` if they hold a program (``shard_map``).
+  ``overrides`` maps names (or ``jax.extend.core.Primitive`` objects) to
+  rules; a ``TypeError`` or ``ValueError`` names a wrong one (an unknown
+  primitive or rule, or one autocast enters such as ``scan``).
 
   Example:
     >>> import jaxmp
@@ -176,7 +131,27 @@ def autocast_rules(overrides: Mapping[Any, str] | None = None) -> dict[str, str]
         f"kinds, e.g. {{'exp': 'promote'}}; got {overrides!r} of type "
         f"{type(overrides).__name__}.")
   for key, rule in overrides.items():
-    name = _check_key(key)
+    name = key.name if jaxprs.is_primitive(key) else key  # names even a library's
+    if not isinstance(name, str):
+      raise TypeError(
+          "jaxmp.autocast rules map primitive names (strings such as "
+          "'dot_general' or 'exp', or jax.extend.core.Primitive objects) to rule "
+          f"kinds; got the key {key!r} of type {type(key).__name__}.")
+    known = set(KIND) | jaxprs.primitive_names()
+    if name not in known and not jaxprs.is_primitive(key):
+      close = difflib.get_close_matches(name, sorted(known), n=3)
+      raise ValueError(
+          f"jaxmp.autocast rules: {name!r} is not the name of a JAX primitive."
+          + (f" Did you mean {', '.join(map(repr, close))}?" if close else "")
+          + " Use the names that jax.make_jaxpr prints (e.g. 'dot_general', "
+          "'exp', 'reduce_sum'); for a primitive of another library, pass the "
+          "jax.extend.core.Primitive object itself as the key.")
+    if KIND.get(name) == "program":
+      raise ValueError(
+          f"jaxmp.autocast rules: {name!r} cannot be given a rule: autocast "
+          f"enters {name} and applies the table to the operations inside it. To "
+          "run a part of a model in another dtype, put it under "
+          "jax.named_scope(...) and pass scope_policies={'that_name': 'float32'}.")
     if not isinstance(rule, str) or rule not in RULES:
       raise ValueError(
           f"jaxmp.autocast rules: the rule for {name!r} is {rule!r}, which is "
