@@ -22,8 +22,6 @@ import jaxmp.flax
 from matmul_dtypes import matmul_dtypes
 
 F16 = np.dtype(jnp.float16)
-BF16 = np.dtype(jnp.bfloat16)
-F32 = np.dtype(jnp.float32)
 HERE = "test_precision_audit.py"
 
 # The user code these tests audit mixes dtypes on purpose: that is what the
