@@ -71,6 +71,11 @@ def update_with(grads, state=STATE, tx=TX):
   return lambda: tx.update(grads, state, PARAMS)
 
 
+def scoped_matmul(x):
+  with jax.named_scope("head"):
+    return x @ x
+
+
 def linen_overlap():
   policy = jaxmp.flax.ModulePolicy({nn.Dense: "mixed_bfloat16", "layers_0": "f32"})
   model = nn.Sequential([nn.Dense(2)])
@@ -949,6 +954,11 @@ CASES = [
          ValueError,
          r"scope_policies: 'LayerNorm_\(' is not a valid regular expression",
          r"wrap a literal name in re\.escape"),
+    Case("autocast: scope patterns that tie with different policies",
+         lambda: jaxmp.autocast(scoped_matmul, "mixed_bfloat16", scope_policies={
+             "head": "float32", "he.d": "bf16"})(jnp.ones((2, 2))), ValueError,
+         r"the scope 'head' is matched by 'head', 'he\.d' with different policies",
+         r"Make the patterns match different scopes"),
     Case("autocast: a function that assigns into its argument",
          lambda: jaxmp.autocast(lambda d: d.update(x=d["x"] * 2.0) or jnp.sum(d["x"]),
                                 "mixed_bfloat16")({"x": jnp.ones(2)}),

@@ -19,10 +19,9 @@ from jax.sharding import Mesh, PartitionSpec
 
 import jaxmp
 import jaxmp.flax
+from matmul_dtypes import matmul_dtypes
 
 F16 = np.dtype(jnp.float16)
-BF16 = np.dtype(jnp.bfloat16)
-F32 = np.dtype(jnp.float32)
 HERE = "test_precision_audit.py"
 
 # The user code these tests audit mixes dtypes on purpose: that is what the
@@ -41,18 +40,8 @@ def at_line(source, fn, offset=1):
 
 
 def jaxpr_dot_dtypes(fn, *args):
-  """The input dtypes of every dot_general of ``fn``'s jaxpr, read directly."""
-  found = set()
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "dot_general":
-        found.add(tuple(np.dtype(v.aval.dtype).name for v in eqn.invars))
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        walk(sub)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return found
+  """The input dtypes of every matmul of ``fn``'s jaxpr, read directly."""
+  return {dtypes for _, dtypes in matmul_dtypes(fn, *args)}
 
 
 # ---------------------------------------------------------------------------
@@ -79,15 +68,21 @@ def test_a_dot_with_its_dtypes_shapes_flops_operands_and_source():
   assert report.ops_outside("float16") == ()
   assert report.ops_outside("float32") == (op,)
 
+  def power(a):  # JAX's own jit: the lines of its matmuls are JAX's
+    return jnp.linalg.matrix_power(a, 3)
 
-def test_an_einsum_with_batch_dimensions():
-  report = jaxmp.precision_report(
+  ops = jaxmp.precision_report(power, jnp.ones((4, 4))).ops
+  assert len(ops) == 2 and all(at_line(op.source, power) for op in ops)
+  # Called directly, no line of the user's (nor of jaxmp's) is the source.
+  assert {op.source for op in jaxmp.precision_report(
+      jnp.linalg.matrix_power, jnp.ones((4, 4)), 3).ops} == {""}
+
+  # An einsum with batch dimensions.
+  op, = jaxmp.precision_report(
       lambda a, b: jnp.einsum("bij,bjk->bik", a, b),
-      jnp.ones((2, 3, 4), jnp.bfloat16), jax.ShapeDtypeStruct((2, 4, 5), jnp.bfloat16))
-  op, = report.ops
+      jnp.ones((2, 3, 4), jnp.bfloat16), jax.ShapeDtypeStruct((2, 4, 5), jnp.bfloat16)).ops
   assert op.flops == 2 * 2 * 3 * 5 * 4  # 2 * batch * M * N * K
   assert (op.lhs_shape, op.rhs_shape, op.out_shape) == ((2, 3, 4), (2, 4, 5), (2, 3, 5))
-  assert report.flops_by_dtype() == {("bfloat16", "bfloat16"): 240}
 
 
 def test_convolutions_plain_strided_and_grouped():
@@ -266,14 +261,13 @@ def precision_warnings(record):
           and "audit=True" in str(w.message)]
 
 
-def test_a_model_with_its_own_float32_dtype_warns_naming_the_layers_and_the_fix():
+@pytest.mark.parametrize("jit", [True, False])
+def test_a_model_with_its_own_float32_dtype_warns_naming_the_layers_and_the_fix(jit):
   state, _ = linen_state(dtype=jnp.float32)
-  step = jax.jit(make_step())
-  with pytest.warns(jaxmp.PrecisionWarning) as record:
-    step(state, X, Y)
-  # The jaxpr: every matmul (forward and backward) runs in float32, although
-  # the policy casts the params and the inputs to float16.
-  assert jaxpr_dot_dtypes(step, state, X, Y) == {("float32", "float32")}
+  step = jax.jit(make_step()) if jit else make_step()
+  with pytest.warns(jaxmp.PrecisionWarning) as record:  # at the first call, jitted or not
+    new_state, loss = step(state, X, Y)
+  assert int(new_state.step) == 1 and np.isfinite(loss)  # and the step runs as before
   text, = precision_warnings(record)
   # It says what it found (the share, the cause, the layers) and where the
   # fixes are.
@@ -283,25 +277,15 @@ def test_a_model_with_its_own_float32_dtype_warns_naming_the_layers_and_the_fix(
   assert record[0].filename == __file__  # points at the call in the step
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", jaxmp.PrecisionWarning)
+    # The jaxpr: every matmul (forward and backward) runs in float32,
+    # although the policy casts the params and the inputs to float16.
+    assert jaxpr_dot_dtypes(step, state, X, Y) == {("float32", "float32")}
     report = jaxmp.precision_report(make_step(), state, X, Y)
   assert report.flops_share("float32") == 1.0
   forward = [op for op in report.ops if op.direction == "forward"]
   assert [(op.module, op.cause) for op in forward] == [
       ("MLP/hidden", "recast"), ("MLP/Dense_0", "recast")]
   assert forward[0].operands == ("x", "state/params/hidden/kernel")
-
-
-class WarnsJittedOrNotTest(chex.TestCase):
-
-  @chex.variants(with_jit=True, without_jit=True)
-  def test_the_warning_comes_at_the_first_call_either_way(self):
-    state, _ = linen_state(dtype=jnp.float32)
-    step = self.variant(make_step())
-    with pytest.warns(jaxmp.PrecisionWarning, match="'recast', in MLP/hidden, MLP/Dense_0"):
-      new_state, loss = step(state, X, Y)
-    # and the step itself runs as before (test_flax_train_state checks its values).
-    self.assertEqual(int(new_state.step), 1)
-    self.assertTrue(np.isfinite(loss))
 
 
 def test_a_module_policy_does_not_hide_the_models_dtype():
@@ -380,9 +364,10 @@ def test_a_wmt_style_step_blames_the_declared_dtype_not_the_key_nor_the_tokens()
 
 
 @pytest.mark.standard_promotion(
-    reason=USER_CODE_MIXES + ": a float32 batch meets bfloat16 params in a Flax Dense")
-def test_a_model_without_its_own_dtype_fed_an_uncast_batch_is_not_blamed_on_a_dtype():
-  state, model = linen_state(policy="mixed_bfloat16")
+    reason=USER_CODE_MIXES + ": a float32 batch meets 16-bit params in a Flax Dense")
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_a_model_without_its_own_dtype_fed_an_uncast_batch_is_not_blamed_on_a_dtype(policy):
+  state, model = linen_state(policy=policy)
 
   def step(state, x, y):
     return state.value_and_grad(
@@ -397,7 +382,10 @@ def test_a_model_without_its_own_dtype_fed_an_uncast_batch_is_not_blamed_on_a_dt
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", jaxmp.PrecisionWarning)
     report = jaxmp.precision_report(step, state, X, Y)
-  assert {op.cause for op in report.ops if op.direction == "forward"} == {"mixed"}
+  # Every float32 matmul has the cause, the backward ones (the kernel
+  # gradients read the float32 batch) too.
+  assert {op.direction for op in report.ops} == {"forward", "backward"}
+  assert {op.cause for op in report.ops} == {"mixed"}
 
 
 def reparameterize(key, mean, logvar):  # as in Flax's VAE example
@@ -462,21 +450,8 @@ def test_a_correct_float16_model_does_not_warn_nor_retrace_nor_transfer():
   assert {op.direction for op in report.ops} == {"forward", "backward"}
 
 
-def test_a_float32_policy_never_warns():
-  state, model = linen_state(dtype=jnp.float32, policy="float32")
-
-  def step(state):
-    return state.value_and_grad(
-        lambda p: cross_entropy(model.apply({"params": p}, X), Y),
-        audit=True)(state.params)
-
-  with warnings.catch_warnings():
-    warnings.simplefilter("error", jaxmp.PrecisionWarning)
-    jax.jit(step)(state)
-
-
 @pytest.mark.parametrize("kind", [
-    "module_policy",
+    "module_policy", "float32_policy",
     pytest.param("path_policy", marks=pytest.mark.standard_promotion(
         reason="PathPolicy casts params only: the float16 LayerNorm output meets "
                "the float32 head's params in a Flax Dense, which promotes them "
@@ -484,7 +459,8 @@ def test_a_float32_policy_never_warns():
 ])
 def test_float32_on_purpose_under_a_rule_does_not_warn(kind):
   # The output layer in float32 by a rule: 1% of the FLOPs would be float16,
-  # but nothing promoted them, so there is nothing to fix.
+  # but nothing promoted them, so there is nothing to fix. (A float32 policy
+  # never warns.)
   class Wide(nn.Module):
 
     @nn.compact
@@ -497,6 +473,7 @@ def test_float32_on_purpose_under_a_rule_does_not_warn(kind):
   policy = {
       "module_policy": jaxmp.flax.ModulePolicy({"head": "float32"}, default="mixed_float16"),
       "path_policy": jaxmp.PathPolicy({"head": "float32"}, default="mixed_float16"),
+      "float32_policy": "float32",
   }[kind]
   state = jaxmp.flax.TrainState.create(
       apply_fn=model.apply, params=params, tx=optax.sgd(0.1), policy=policy)

@@ -26,6 +26,8 @@ from jax.extend import core as _core
 from jax.extend import source_info_util as _source_info
 from jax.extend.core import primitives as _primitives
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
 
 def is_literal(atom: Any) -> bool:
   """Whether a jaxpr atom is a literal constant (its value is ``atom.val``)."""
@@ -115,8 +117,10 @@ def name_parts(name_stack: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 def source_line(eqn: Any) -> str:
   """The line that created ``eqn``, as JAX names it in its own messages: the
-  innermost frame outside JAX, ``"file.py:12:4 (function)"`` (no folder)."""
-  return os.path.basename(_source_info.summarize(eqn.source_info))
+  innermost frame outside JAX, ``"file.py:12:4 (function)"`` (no folder);
+  ``""`` if that frame is jaxmp's own."""
+  line = _source_info.summarize(eqn.source_info)
+  return "" if line.startswith(_PACKAGE) else os.path.basename(line)
 
 
 def bind_rule(eqn: Any, invals: list[Any], name_stack: Any = None) -> list[Any]:
