@@ -49,6 +49,9 @@ def test_the_jax_internals_jaxmp_relies_on_still_work():
       eqn.primitive.name for eqn in jaxpr.eqns}
   assert {"dot_general", "exp", "reduce_sum"} <= jaxprs.primitive_names()
   assert jaxprs.is_primitive(jit_eqn.primitive)
+  relu = next(e for e in jaxpr.eqns if e.primitive.name == "custom_jvp_call")
+  rule_jaxpr, _, zeros = jaxprs.custom_jvp_rule(relu.params, 1)
+  assert len(rule_jaxpr.invars) == 2 and list(zeros) == [False]  # primal, tangent
 
   # The evaluator, with its default rule (bind the primitive in the
   # equation's context), outside and inside jit.

@@ -408,7 +408,7 @@ def _custom_jvp(ev, eqn, ins, stack):
 
   @fun.defjvp
   def _(primals_in, tangents_in):
-    jvp_jaxpr, consts, zeros = p["jvp_jaxpr_fun"].call_wrapped(*[False] * len(primals_in))
+    jvp_jaxpr, consts, zeros = jaxprs.custom_jvp_rule(p, len(primals_in))
     inner = ev.child()
     outs = inner.run(jvp_jaxpr, consts, [
         *zip(primals_in, facts), *((t, _Fact()) for t in tangents_in)], stack)

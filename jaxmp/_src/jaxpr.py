@@ -64,6 +64,11 @@ def inner_jaxprs(params: dict[str, Any]) -> list[Any]:
   return list(_core.jaxprs_in_params(params))
 
 
+def custom_jvp_rule(params: dict[str, Any], num_primals: int) -> tuple[Any, list, list]:
+  """A ``custom_jvp_call``'s JVP rule as ``(jaxpr, consts, output zero flags)``."""
+  return params["jvp_jaxpr_fun"].call_wrapped(*[False] * num_primals)
+
+
 def bind_params(eqn: Any, params: dict[str, Any] | None = None) -> dict[str, Any]:
   """``params`` (default: the equation's own) as ``primitive.bind`` takes them,
   as ``jax.core.eval_jaxpr`` turns them."""
