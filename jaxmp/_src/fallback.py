@@ -52,25 +52,15 @@ def _flax_switch(target: Any) -> Any:
 def switch_precision(target: Any, policy: Any, *, model: Any = None) -> Any:
   """Returns a training state switched to ``policy``; everything else kept.
 
-  The params and the inner optimizer state are the same arrays and the
-  counters are kept; the loss scale becomes :class:`jaxmp.NoOpLossScale` when
-  ``policy`` needs no loss scaling (else it is kept). A policy that would
-  store the params in other dtypes is refused. Call it outside ``jit``; a
-  jitted step taking the switched state compiles once more.
-
-  * Any pytree holding a :func:`jaxmp.loss_scaling` state (an optimizer
-    state, ``(params, opt_state)``): the loss scale replaced; pass
-    ``policy`` to the step.
-  * A :class:`jaxmp.flax.TrainState`: with the new ``policy``, ``apply_fn``
-    and ``tx``. FP8 meta the new policy does not use stays in ``params``.
-  * An ``nnx.Optimizer`` with ``model=``: switched in place, the model's
-    dtypes set as by :meth:`jaxmp.flax.ModulePolicy.set_nnx_dtypes`; a layer
-    that leaves FP8 loses its FP8 op and meta, with a warning.
-
-  Raises:
-    ValueError: if ``target`` holds no loss-scaling state, ``policy`` needs a
-      loss scale the state lacks or stores the params in other dtypes.
-    TypeError: if ``model`` is missing for, or given to, a target.
+  The params, the inner optimizer state and the counters are kept
+  bit-identical; the loss scale becomes :class:`jaxmp.NoOpLossScale` when
+  ``policy`` needs none. ``target`` is any pytree holding a
+  :func:`jaxmp.loss_scaling` state (pass ``policy`` to its step), a
+  :class:`jaxmp.flax.TrainState` (which gets the new ``policy``, ``apply_fn``
+  and ``tx``) or an ``nnx.Optimizer`` with ``model=`` (switched in place, the
+  model's dtypes set as by :meth:`jaxmp.flax.ModulePolicy.set_nnx_dtypes`).
+  A policy that stores the params in other dtypes is refused. Call it
+  outside ``jit``.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxmp
@@ -168,31 +158,19 @@ def _check_ladder(ladder: Any, hardware: HardwareReport, on_failure: str) -> tup
 
 
 class PrecisionFallback:
-  """Moves a run down a ladder of policies when float16 can no longer train.
+  """Moves a run down a ``ladder`` of policies when float16 can no longer train.
 
   Host-side, every ``every`` steps, it reads the loss-scaling metrics (one
-  transfer) and finds the current policy failed when more than
-  ``max_overflows_at_min`` overflows found the dynamic scale at its floor
-  since the run entered it, or, over a whole ``window`` under it, more than
-  ``max_overflow_rate`` of the steps were skipped. :meth:`check` then
-  answers the next policy; :meth:`update` switches the run to it with
-  :func:`jaxmp.switch_precision`, logs the switch (logger ``"jaxmp"``) and
-  records it in :attr:`events`. ``on_failure="raise"``, or overflows at the
-  floor on the last rung, raise :class:`jaxmp.LossScaleAtMinimumError` as
-  :func:`jaxmp.check_loss_scale` does. A bfloat16 rung is refused where
-  ``hardware`` says bfloat16 is not native; the default ladder is
-  ``("mixed_float16", "mixed_bfloat16")`` there, else ``("mixed_float16",
-  "float32")``.
-
-  Args:
-    ladder: the policies, from the first to the last resort.
-    every: look at the metrics every this many steps.
-    window: the steps over which the overflow rate is measured.
-    max_overflow_rate: in (0, 1]; ``None`` switches on overflows at the
-      floor only.
-    max_overflows_at_min: the overflows at the floor to tolerate.
-    on_failure: ``"switch"`` or ``"raise"``.
-    hardware: a :func:`jaxmp.hardware_report` (default: this machine's).
+  transfer): the current policy failed when more than
+  ``max_overflows_at_min`` overflows found the scale at its floor since the
+  run entered it, or more than ``max_overflow_rate`` (``None``: never) of
+  the steps of a whole ``window`` under it were skipped. :meth:`check` then
+  returns the next rung; :meth:`update` switches the run to it
+  (:func:`jaxmp.switch_precision`), logs and records it in :attr:`events`.
+  ``on_failure="raise"``, or overflows at the floor on the last rung, raise
+  as :func:`jaxmp.check_loss_scale` does. The default ladder ends in
+  ``"mixed_bfloat16"`` where ``hardware`` runs bfloat16 natively, else in
+  ``"float32"``; a bfloat16 rung is refused elsewhere.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxmp
@@ -303,14 +281,10 @@ class PrecisionFallback:
   def check(self, target: Any, *, step: Any = None) -> Any:
     """Returns the policy to switch to, or ``None``; host-side, outside ``jit``.
 
-    Reads the metrics only when ``step`` is a multiple of ``every``.
+    Reads the metrics when ``step`` (the updates done; a TrainState's or an
+    ``nnx.Optimizer``'s when not given) is a multiple of ``every``.
     ``target`` is any pytree holding a :func:`jaxmp.loss_scaling` state, or
-    the dict of :func:`jaxmp.loss_scaling_metrics`; ``step`` (the updates
-    done) is read from a TrainState or an ``nnx.Optimizer`` when not given.
-
-    Raises:
-      LossScaleAtMinimumError: with ``on_failure="raise"``, or on the last
-        rung, when the overflows at the floor exceed the limit.
+    the dict of :func:`jaxmp.loss_scaling_metrics`.
     """
     return None if self._failure(target, step)[1] is None else self.next_policy
 
@@ -360,13 +334,7 @@ class PrecisionFallback:
     return switched
 
   def state_dict(self) -> dict[str, Any]:
-    """What a resumed run needs of the controller (JSON-ready but ``policy``).
-
-    Example:
-      >>> import jaxmp
-      >>> jaxmp.PrecisionFallback(("mixed_float16", "float32")).state_dict()["rung"]
-      0
-    """
+    """What a resumed run needs of the controller (JSON-ready but ``policy``)."""
     return {"ladder": [str(p) for p in self.ladder], "rung": self.rung,
             "policy": self.policy, "overflows_at_min_base": self._overflows_at_min_base,
             "events": [event._asdict() for event in self.events]}

@@ -1,6 +1,5 @@
-"""Checkpoints with orbax: the training state, and as JSON beside it the loss
-scale's static configuration, the policy, and a ``PrecisionFallback``'s state.
-"""
+"""Orbax checkpoints of a training state, with the loss scale's static
+configuration, the policy and a ``PrecisionFallback``'s state as JSON."""
 
 from __future__ import annotations
 
@@ -144,15 +143,12 @@ def save_checkpoint(directory: str | os.PathLike[str], target: Any, *,
                     force: bool = False, fallback: Any = None) -> None:
   """Saves a training state with orbax, its loss-scale configuration included.
 
-  Args:
-    directory: the checkpoint directory; it must not exist unless ``force``.
-    target: a :class:`jaxmp.flax.TrainState`, any pytree of arrays, or NNX
-      objects (``(model, optimizer)``), whose ``nnx.state`` is saved.
-    force: overwrite an existing checkpoint: the new one is written beside it
-      and replaces it once complete, so a save that fails or is killed leaves
-      the old one restorable.
-    fallback: the :class:`jaxmp.PrecisionFallback` of the run, whose state
-      (the current policy, the switches) is saved too.
+  ``target`` is a :class:`jaxmp.flax.TrainState`, any pytree of arrays, or
+  NNX objects (``(model, optimizer)``). ``directory`` must not exist unless
+  ``force``: the new checkpoint is then written beside the old one and
+  replaces it once complete, so a save that fails or is killed leaves the old
+  one restorable. With ``fallback``, the run's :class:`jaxmp.PrecisionFallback`,
+  its state (the current policy, the switches) is saved too.
 
   Example:
     >>> import os, tempfile, jax.numpy as jnp, optax, jaxmp, jaxmp.flax
@@ -218,26 +214,13 @@ def restore_checkpoint(directory: str | os.PathLike[str], target: Any, *,
                        check_config: bool = True, fallback: Any = None) -> Any:
   """Restores a checkpoint of :func:`save_checkpoint` into ``target``.
 
-  The saved configuration (loss scale, policy) must be the target's unless
-  ``check_config=False``, which also reads a plain orbax checkpoint. The
-  saved arrays' paths and shapes are compared with the target's before any
-  is read; arrays are cast to the target's dtypes, as orbax does.
-
-  Args:
-    directory: the checkpoint directory.
-    target: a pytree (or its ``jax.eval_shape``), from which a new one is
-      returned, or NNX objects, updated in place and returned.
-    check_config: refuse a configuration that differs from the target's.
-    fallback: the run's :class:`jaxmp.PrecisionFallback`: the target, built
-      in the ladder's first policy, is switched to the saved run's policy (an
-      NNX target must then be ``(model, optimizer)``), and the controller
-      resumes the saved state.
-
-  Raises:
-    FileNotFoundError: if ``directory`` does not exist.
-    ValueError: for a configuration that differs, a checkpoint of another
-      loss-scale kind, model or optimizer, or a fallback state that is
-      missing or of another ladder.
+  ``target`` (a pytree or its ``jax.eval_shape``; NNX objects are updated in
+  place) must have the saved loss-scale configuration and policy unless
+  ``check_config=False``, which also reads a plain orbax checkpoint; the
+  saved arrays' paths and shapes are compared with its own before any is
+  read. With ``fallback``, the run's :class:`jaxmp.PrecisionFallback`, the
+  target (built in the ladder's first policy; NNX: ``(model, optimizer)``)
+  is switched to the saved run's policy and the controller resumes.
 
   Example:
     >>> import os, tempfile, jax, jax.numpy as jnp, optax, jaxmp, jaxmp.flax

@@ -1,16 +1,12 @@
 """FP8 matmuls: Flax's ``fp8_ops`` under an FP8 policy, for Linen and NNX.
 
-A Linen ``nn.Dense``/``nn.DenseGeneral`` under an FP8 policy (``dot=fp8``)
-runs with Flax's ``fp8_ops.Fp8DirectDotGeneralOp`` as its ``dot_general_cls``;
-an NNX ``nnx.Linear``/``nnx.LinearGeneral``/``nnx.Einsum`` gets, as its
-``dot_general``/``einsum_op``, an op of this module calling Flax's
-``fp8_scaled_dot_general`` with its meta in :class:`Fp8Meta` variables. As in
-Flax, the gradient of a meta leaf is its new value (the collection
-``"_overwrite_with_gradient"``). Around Flax's ops, jaxmp stores the
-output-gradient meta in unscaled units (:func:`in_step_units`), keeps the
-meta of an op that did not run, and makes a step whose new meta is not
-finite a skipped one; the meta is then state kept with
-:func:`jaxmp.keep_on_skip`.
+A Linen Dense layer gets Flax's ``Fp8DirectDotGeneralOp`` as its
+``dot_general_cls``; an NNX matmul layer an op calling Flax's
+``fp8_scaled_dot_general`` with its meta in :class:`Fp8Meta` variables. As
+in Flax, a meta leaf's gradient is its new value. jaxmp stores the
+output-gradient meta in unscaled units, keeps the meta of an op that did not
+run, and skips a step whose new meta is not finite; the meta is state kept
+with :func:`jaxmp.keep_on_skip`.
 """
 
 from __future__ import annotations

@@ -108,31 +108,20 @@ def _rule_hits(key: Any, module: Any, name: str | None, path: str) -> bool:
 class ModulePolicy(RuleTablePolicy):
   """Policies for chosen modules of a Flax model; the rest use a default.
 
-  A rule's key is a module class (its instances and those of subclasses) or a
-  regular expression matching the whole of a module's name (``"head"``) or
-  path (``"Encoder_0/Dense_1"``, NNX ``"blocks/0/norm"``). A module no rule
-  matches runs under the policy of the module enclosing it, the outermost
-  under ``default`` (``None``: left as it is). Overlapping rules raise unless
-  ``first_match=True``.
+  A rule's key is a module class (subclasses match) or a regular expression
+  matching the whole of a module's name (``"head"``) or path
+  (``"Encoder_0/Dense_1"``). A module no rule matches runs under the policy
+  of the module enclosing it, the outermost under ``default`` (``None``: left
+  as it is). Overlapping rules raise unless ``first_match=True``.
 
   Linen (:meth:`wrap_apply`, or a ``TrainState``'s ``policy=``): each module
-  gets its inputs, and the params it reads, in its compute dtype; the
-  outputs of a matched module (and of the model) are cast to its policy's
-  output dtype. A module's own ``dtype=`` wins unless ``override_dtype``
-  says otherwise, and is then reported with a :class:`jaxmp.PrecisionWarning`
-  (a rule of that dtype keeps it silently). Under an FP8 policy
-  (``"mixed_fp8"``) each ``nn.Dense``/``nn.DenseGeneral`` runs with Flax's
-  FP8 op; an ``nn.Einsum`` is refused. A module that needs other fields runs
-  as a copy bound to its variables; the model's modules are never changed.
-  NNX: :meth:`set_nnx_dtypes`. See the guide on policies.
-
-  Args:
-    rules: ``{module class or pattern: policy}`` (or a sequence of pairs).
-    default: the policy of what no rule covers; ``None`` leaves it alone.
-    first_match: resolve overlapping rules by their order instead of raising.
-    override_dtype: Linen only: ``True`` runs every module that has a
-      ``dtype`` field with its policy's compute dtype, a tuple of classes
-      only their instances; ``False`` keeps the declared ``dtype``.
+  gets its inputs and the params it reads in its compute dtype. A module's
+  own ``dtype=`` wins unless ``override_dtype`` (``True``, or a tuple of
+  classes) makes the policy set it, and is then reported with a
+  :class:`jaxmp.PrecisionWarning`; a rule of that dtype keeps it silently.
+  Under an FP8 policy each ``nn.Dense``/``nn.DenseGeneral`` runs with Flax's
+  FP8 op. A module that needs other fields runs as a copy bound to its
+  variables. NNX: :meth:`set_nnx_dtypes`.
 
   Example:
     >>> import jax, jax.numpy as jnp, jaxmp, jaxmp.flax
@@ -240,10 +229,9 @@ class ModulePolicy(RuleTablePolicy):
   def wrap_apply(self, apply_fn: Callable[..., Any]) -> Callable[..., Any]:
     """Returns ``apply_fn`` (a Linen ``model.apply``) running under the policies.
 
-    Each module reads its params in its compute dtype; what ``apply_fn``
-    returns is cast to ``default``'s output dtype (with ``mutable=...``,
-    only the output: the collections keep their dtype). Wrap ``model.init``
-    too for FP8, which creates the FP8 meta.
+    Its output is cast to ``default``'s output dtype (with ``mutable=...``,
+    not the collections). Under FP8, wrap ``model.init`` too: it creates the
+    FP8 meta.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxmp, jaxmp.flax
@@ -263,22 +251,12 @@ class ModulePolicy(RuleTablePolicy):
   def set_nnx_dtypes(self, model: Any) -> dict[str, str]:
     """Sets the ``dtype`` of each module of an NNX model to its compute dtype.
 
-    Every module with a ``dtype`` attribute gets its policy's compute dtype
-    (its rule's, else the enclosing module's, else ``default``), whatever it
-    was built with; ``param_dtype`` is left alone. Under an FP8 policy each
-    ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Einsum`` also gets an FP8
-    op whose meta is :class:`jaxmp.flax.Fp8Meta`. Call it once, outside
-    ``jit``; the model is changed in place, or not at all when it raises.
-
-    Returns:
-      ``{path: str(policy)}`` of the modules whose ``dtype`` was set
-      (``"(root)"`` for the model itself).
-
-    Raises:
-      TypeError: if ``model`` is not an ``nnx.Module``.
-      ValueError: for a rule that matches no module, or only modules without
-        a ``dtype``; for overlapping rules; under FP8, for a matmul layer with
-        its own matmul or an FP8 op of another policy.
+    Every module with a ``dtype`` attribute gets its policy's compute dtype,
+    whatever it was built with (``param_dtype`` is left alone); under an FP8
+    policy each ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Einsum`` also
+    gets an FP8 op whose meta is :class:`jaxmp.flax.Fp8Meta`. Call it once,
+    outside ``jit``: the model is changed in place (not at all when it
+    raises), and ``{path: str(policy)}`` of the modules set is returned.
 
     Example:
       >>> import jaxmp, jaxmp.flax

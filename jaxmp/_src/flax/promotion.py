@@ -66,17 +66,12 @@ class OverflowReport:
     """The policy that runs :attr:`modules` in ``dtype`` and the rest as now.
 
     ``ModulePolicy({path: promoted, ...}, default=policy,
-    override_dtype=True)`` (``promoted`` computes and outputs in ``dtype``
-    with ``policy``'s ``param_dtype``; a :class:`jaxmp.flax.ModulePolicy`
-    keeps its rules after the new ones, ``first_match=True``); the plain
-    ``promoted`` policy when the model itself overflows. It is checked on the
-    report's batch: the modules that then overflow (a float16 module fed a
-    promoted module's output) are promoted too, until it runs finite.
-
-    Raises:
-      ValueError: when no module overflows, the inputs are not finite, or the
-        forward pass still overflows with every module it names promoted.
-      TypeError: for a :class:`jaxmp.PathPolicy`.
+    override_dtype=True)``, ``promoted`` computing in ``dtype`` (a
+    :class:`jaxmp.flax.ModulePolicy`'s rules follow the new ones, with
+    ``first_match=True``); ``promoted`` alone when the model itself
+    overflows. It is checked on the report's batch: the modules that then
+    overflow (fed a promoted module's output) are promoted too, until it runs
+    finite; raises if it cannot.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxmp, jaxmp.flax
@@ -309,19 +304,12 @@ def find_overflowing_modules(model: Any, *args, grads: Any = None,
                              **kwargs) -> OverflowReport:
   """Runs the forward pass once and finds the modules that produce inf or nan.
 
-  Host-side, outside ``jit``, with the batch that overflowed, under the
-  run's policy; the forward pass runs jitted and nothing of the model
-  changes. While an NNX model runs here, its module classes' ``__call__`` is
-  wrapped: run no other NNX code in another thread meanwhile.
-
-  Args:
-    model: a Linen apply function (``state.apply_fn``, or
-      ``policy.wrap_apply(model.apply)``) called with the variables first, or
-      an NNX module whose dtypes are set.
-    *args: the arguments of the call.
-    grads: optional gradients of the failing step, mapped to
-      :attr:`OverflowReport.gradient_modules`.
-    **kwargs: keyword arguments of the call.
+  Host-side, with the batch that overflowed; nothing of the model changes.
+  ``model`` is a Linen apply function (``state.apply_fn``) called as
+  ``model(variables, *args, **kwargs)``, or an NNX module whose dtypes are
+  set (its classes' ``__call__`` is wrapped meanwhile: run no NNX code in
+  another thread). ``grads`` of the failing step are mapped to
+  :attr:`OverflowReport.gradient_modules`.
 
   Example:
     >>> import jax, jax.numpy as jnp, jaxmp, jaxmp.flax

@@ -35,19 +35,11 @@ from jaxmp._src.value_and_grad import scale_then_differentiate
 class TrainState(train_state.TrainState):
   """A Flax ``TrainState`` that trains with a dtype policy and loss scaling.
 
-  :meth:`create` wraps ``tx`` with :func:`jaxmp.loss_scaling`;
-  :meth:`value_and_grad` runs the loss under the policy and returns the
-  gradients of the scaled loss; :meth:`apply_gradients` unscales them and
-  skips a non-finite step, keeping the params, the optimizer state and every
-  other field it is given bit-identical. ``step`` counts calls, skipped ones
-  included (``state.metrics["skipped_steps"]``). Subclass it to carry more
-  state, as in Flax; the fields need no default. Under an FP8 policy
-  ``params`` holds Flax's FP8 layout, ``{"params": ...,
-  "_overwrite_with_gradient": meta}``.
-
-  Attributes:
-    policy: the policy (static, keyword-only).
-    autocast: whether the loss runs under :func:`jaxmp.autocast` (static).
+  :meth:`value_and_grad` runs the loss under ``policy`` (a static field) and
+  returns the gradients of the scaled loss; :meth:`apply_gradients` unscales
+  them and skips a non-finite step, keeping the params, the optimizer state
+  and every other field it is given bit-identical. ``step`` counts calls,
+  skipped ones included. Subclass it to carry more state, as in Flax.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxmp, jaxmp.flax
@@ -78,23 +70,16 @@ class TrainState(train_state.TrainState):
     Args:
       apply_fn: usually ``model.apply``; ``state.apply_fn`` runs it under the
         policy (call it in the loss function).
-      params: the params, cast to the policy's ``param_dtype``; under FP8, the
-        variables ``{"params": ..., "_overwrite_with_gradient": ...}``.
-      tx: the bare optimizer, which ``create`` wraps.
+      params: cast to the policy's ``param_dtype``; under FP8, the variables
+        ``{"params": ..., "_overwrite_with_gradient": ...}``.
+      tx: the bare optimizer.
       policy: anything :func:`jaxmp.get_policy` takes, a
         :class:`jaxmp.PathPolicy` or a :class:`jaxmp.flax.ModulePolicy`.
       loss_scale: default :class:`jaxmp.DynamicLossScale` when the policy
         computes in float16, else :class:`jaxmp.NoOpLossScale`.
-      axis_name: the batch's axis inside ``pmap``/``shard_map``.
+      axis_name, clip_global_norm, guard: as :func:`jaxmp.loss_scaling`'s.
       autocast: run the loss under :func:`jaxmp.autocast`.
-      clip_global_norm: clip the unscaled gradients to this global norm.
-      guard: check the gradients and skip non-finite steps.
       **kwargs: fields of a subclass (``batch_stats=...``).
-
-    Raises:
-      TypeError: for a ``tx`` or ``loss_scale`` of the wrong kind.
-      ValueError: for a ``tx`` already wrapped, a rule-based policy without a
-        default, FP8 matmuls without FP8 meta, or FP8 meta with autocast.
     """
     owner = "TrainState.create"
     policy = as_policy(policy)
@@ -152,14 +137,8 @@ class TrainState(train_state.TrainState):
     The other fields given (``batch_stats=``, EMA params) are written on a
     finite step and kept bit-identical on a skipped one
     (:func:`jaxmp.keep_on_skip`); a new value is cast to the field's dtypes
-    and must have its structure and shapes. Under FP8, ``grads`` is
-    ``{"params": grads, "_overwrite_with_gradient": new_meta}``, as
-    :meth:`value_and_grad` returns it.
-
-    Raises:
-      TypeError: for a name that is not a field of the state.
-      ValueError: for a new field value of another structure or shape, or
-        FP8 meta on one side only.
+    and must have its structure and shapes. Under FP8, ``grads`` holds the
+    new meta beside the gradients, as :meth:`value_and_grad` returns them.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxmp, jaxmp.flax
