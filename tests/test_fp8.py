@@ -133,10 +133,16 @@ class Linen:
     self.state = jaxmp.flax.restore_checkpoint(path, self.state)
 
   def flax_meta(self, x, y):
-    """Flax's own new meta: the gradient of the variables, at loss scale 1."""
+    """Flax's own new meta (the gradient of the variables, at loss scale 1);
+    the params of its Adam step agree to the last bit or so (XLA fuses Adam
+    differently)."""
     apply = self.policy.wrap_apply(self.model.apply)
-    new = jax.jit(jax.grad(lambda v: _mse(apply(v, x), y)))(self.variables)[META]
-    return {name: m[OP] for name, m in new.items()}
+    grads = jax.jit(jax.grad(lambda v: _mse(apply(v, x), y)))(self.variables)
+    params, tx = self.variables["params"], optax.adam(1e-2)
+    updates, _ = tx.update(grads["params"], tx.init(params), params)
+    chex.assert_trees_all_close(self.state.params["params"], optax.apply_updates(
+        params, updates), rtol=1e-6, atol=1e-8)
+    return {name: m[OP] for name, m in grads[META].items()}
 
 
 class Nnx:
@@ -370,7 +376,8 @@ def test_loss_scale_growth_and_backoff_leave_the_meta_as_at_scale_one(framework)
     _step(at_one, x, y)
   assert float(jaxmp.get_loss_scale(run.opt_state).loss_scale) == 2.0**11
   chex.assert_trees_all_equal(run.meta(), at_one.meta())
-  assert max(saturation[1:]) < 1.1, saturation  # measured: 1.038 at most
+  # The range is used to within the growth of the amax between steps.
+  np.testing.assert_allclose(saturation[1:], 1.0, atol=0.05)  # measured: 1.038 at most
   if framework is Nnx:
     return
   # The control: Flax's pattern with jaxmp's loss scaling, meta kept on skips.
@@ -457,7 +464,9 @@ def test_linen_fallback_reports_layers_and_a_switch_out_of_fp8_keeps_the_meta_un
   assert [c.path for c in report.calls] == ["", "l1", "a", "b"]
   with pytest.warns(UserWarning, match=r"runs no FP8 matmuls: .* the state's FP8 "
                     r"meta stays in params unused"):
-    run.state = jaxmp.switch_precision(run.state, "float32")
+    switched = jaxmp.switch_precision(run.state, "float32")
+  assert switched.params is run.state.params
+  run.state = switched
   assert [d for _, d in matmul_dtypes(run.state.apply_fn, run.variables, x)] == [
       ("float32", "float32")] * 3
   _step(run, x, y)  # the same loss function
