@@ -89,9 +89,8 @@ def switch_precision(target: Any, policy: Any, *, model: Any = None) -> Any:
   loss_scale = None if policy.needs_loss_scaling or isinstance(
       current, NoOpLossScale) else NoOpLossScale()
   flax = _flax_switch(target)
-  if flax is not None:
-    flax = flax(model)
-  elif model is not None:
+  flax = None if flax is None else flax(model)
+  if flax is None and model is not None:
     raise TypeError(
         "switch_precision: model= is for an nnx.Optimizer, whose model holds the "
         f"dtypes; a {type(target).__name__} takes no model.")

@@ -270,14 +270,14 @@ def wrap_apply(policy: Any, apply_fn: Callable[..., Any], autocast: bool) -> Any
 
 def flax_switch(target: Any) -> Callable[[Any], tuple[Any, Any]] | None:
   """For a :class:`TrainState` or an ``nnx.Optimizer`` (None for another
-  pytree), ``of(model) -> (params, switch)``: the params a switch keeps, and
-  ``switch(policy, loss_scale)`` (``loss_scale`` None: kept)."""
+  pytree), ``of(model) -> (params, switch)`` (None: it takes no model): the
+  params a switch keeps, and ``switch(policy, loss_scale)`` (``loss_scale``
+  None: kept)."""
   if isinstance(target, TrainState):
 
     def of(model):
       if model is not None:
-        raise TypeError("switch_precision: model= is for an nnx.Optimizer; a "
-                        "TrainState holds its apply_fn and takes no model.")
+        return None
       split = split_fp8_grads(target.params)
       return (target.params if split is None else split[0],
               lambda policy, loss_scale: _switch_train_state(target, policy, loss_scale))
