@@ -507,6 +507,26 @@ def test_a_checkpoint_resumes_the_controller_and_the_target_in_the_saved_policy(
       assert bool(jaxmp.loss_scaling_metrics(_opt_state(restored))["last_finite"])
 
 
+def test_a_checkpoint_records_a_policy_off_the_ladder(tmp_path):
+  # A policy given to fallback.switch (a proposed ModulePolicy, say) is
+  # recorded whole: module classes by their import name, patterns, options.
+  state = _at_the_floor()
+  for i, policy in enumerate([
+      jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32", "head": "float32"},
+                              default="mixed_float16", first_match=True,
+                              override_dtype=(nn.Dense,)),
+      jaxmp.PathPolicy({"kernel": "float32"}, default="mixed_float16"),
+      "p=f32,c=f16,o=f16"]):
+    fallback = jaxmp.PrecisionFallback(LADDER)
+    switched, _ = fallback.switch(state, policy, reason="a test", step=1)
+    jaxmp.flax.save_checkpoint(tmp_path / str(i), switched, fallback=fallback)
+    resumed = jaxmp.PrecisionFallback(LADDER)
+    jaxmp.flax.restore_checkpoint(tmp_path / str(i), state, fallback=resumed)
+    assert resumed.policy == fallback.policy == (
+        jaxmp.get_policy(policy) if isinstance(policy, str) else policy)
+    assert resumed.events == fallback.events and resumed.rung == 0
+
+
 # -- Promotion: the module that overflows ---------------------------------------
 
 

@@ -3,9 +3,9 @@ configuration, the policy and a ``PrecisionFallback``'s state as JSON."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import pathlib
+import pkgutil
 import shutil
 from typing import Any
 
@@ -25,24 +25,17 @@ _FALLBACK = "precision_fallback"  # the key of the controller's state
 
 def _class_name(cls: type) -> str:
   name = f"{cls.__module__}:{cls.__qualname__}"
-  if _class_from_name(name) is not cls:
+  try:
+    found = pkgutil.resolve_name(name)
+  except (ImportError, AttributeError, ValueError):
+    found = None
+  if found is not cls:
     raise ValueError(
         f"save_checkpoint: the policy names the module class {cls.__qualname__}, "
         "which cannot be imported by its name (a class defined inside a "
         "function?), so the checkpoint cannot record it. Define the class at "
         "the top level of a module, or name the modules by path ('head').")
   return name
-
-
-def _class_from_name(name: str) -> Any:
-  module_name, _, qualname = name.partition(":")
-  try:
-    value = importlib.import_module(module_name)
-    for part in qualname.split("."):
-      value = getattr(value, part)
-  except (ImportError, AttributeError):
-    return None
-  return value
 
 
 def _encode_policy(policy: Any, ladder: tuple[Any, ...]) -> dict[str, Any]:
@@ -65,14 +58,14 @@ def _decode_policy(data: dict[str, Any], ladder: tuple[Any, ...]) -> Any:
     return ladder[int(data["rung"])]
   if "policy" in data:
     return get_policy(data["policy"])
-  key = lambda k: _class_from_name(k["class"]) if isinstance(k, dict) else k
+  key = lambda k: pkgutil.resolve_name(k["class"]) if isinstance(k, dict) else k
   rules = [(key(k), p) for k, p in data["rules"]]
   override = data["override_dtype"]
   if override is None:
     return PathPolicy(rules, default=data["default"], first_match=data["first_match"])
   return ModulePolicy(rules, default=data["default"], first_match=data["first_match"],
                       override_dtype=override if isinstance(override, bool)
-                      else tuple(_class_from_name(c) for c in override))
+                      else tuple(pkgutil.resolve_name(c) for c in override))
 
 
 def _config(target: Any, fallback: Any = None) -> dict[str, Any]:
