@@ -67,6 +67,9 @@ class TrainState(train_state.TrainState):
              guard: bool = True, **kwargs) -> "TrainState":
     """Creates a state with ``step=0``, ``tx`` wrapped with loss scaling.
 
+    ``axis_name``, ``clip_global_norm`` and ``guard`` go to
+    :func:`jaxmp.loss_scaling`.
+
     Args:
       apply_fn: usually ``model.apply``; ``state.apply_fn`` runs it under the
         policy (call it in the loss function).
@@ -77,7 +80,6 @@ class TrainState(train_state.TrainState):
         :class:`jaxmp.PathPolicy` or a :class:`jaxmp.flax.ModulePolicy`.
       loss_scale: default :class:`jaxmp.DynamicLossScale` when the policy
         computes in float16, else :class:`jaxmp.NoOpLossScale`.
-      axis_name, clip_global_norm, guard: as :func:`jaxmp.loss_scaling`'s.
       autocast: run the loss under :func:`jaxmp.autocast`.
       **kwargs: fields of a subclass (``batch_stats=...``).
     """
