@@ -298,6 +298,10 @@ def test_set_nnx_dtypes_gives_each_matmul_layer_an_fp8_op_with_flax_meta():
   op = model.mlp.l1.dot_general
   policy.set_nnx_dtypes(model)
   assert model.mlp.l1.dot_general is op
+  # A call that raises (a rule for no module) leaves the model as it was.
+  with pytest.raises(ValueError):
+    jaxmp.flax.ModulePolicy({"typo": "float32"}, default="float32").set_nnx_dtypes(model)
+  assert model.mlp.l1.dot_general is op and model.logits.dtype == jnp.bfloat16
 
 
 # The meta under the guard.

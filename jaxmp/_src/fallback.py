@@ -4,9 +4,9 @@
 of the loss-scaling metrics and answers which policy the run should be in.
 :func:`switch_precision` moves a training state to a policy, keeping
 everything else. A Flax state (a ``TrainState``, an ``nnx.Optimizer``) holds
-its policy too: it is switched by ``_src/flax/train_state.py``, imported when
-the target is a Flax object (listed above this module: ``import jaxmp`` never
-imports Flax, and no import registers anything).
+its policy too: it is switched by ``_src/flax/train_state.py`` (above this
+module in the import order), imported when the target is a Flax object, so
+that ``import jaxmp`` never imports Flax and no import registers anything.
 """
 
 from __future__ import annotations
