@@ -270,9 +270,14 @@ def _dot_dtypes(fn, *args):
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_switch_keeps_the_optimizer_state_and_counters_bit_identical(framework):
+def test_a_switch_replaces_the_loss_scale_only_when_the_policy_needs_none(framework):
   target, model = _overflowed(framework)
   opt_state, kept = _opt_state(target), _kept(target, model)
+  # A policy that still computes in float16: nothing to change, the scale stays.
+  same = jaxmp.switch_precision(
+      target, jaxmp.get_policy("mixed_float16").with_output_dtype(jnp.float16),
+      model=model)
+  assert _opt_state(same) is opt_state
   switched = jaxmp.switch_precision(target, "float32", model=model)
   new = _opt_state(switched)
   assert jaxmp.get_loss_scale(new) == jaxmp.NoOpLossScale()
@@ -281,26 +286,24 @@ def test_switch_keeps_the_optimizer_state_and_counters_bit_identical(framework):
   before, after = jaxmp.loss_scaling_metrics(opt_state), jaxmp.loss_scaling_metrics(new)
   assert int(after["skipped_steps"]) == int(before["skipped_steps"]) == 2
   assert int(after["overflows_at_min"]) == 0  # a no-op scale has no floor
-
-
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_switch_to_a_float16_policy_keeps_the_dynamic_scale(framework):
-  target, model = _overflowed(framework)
-  opt_state = _opt_state(target)
-  switched = jaxmp.switch_precision(
-      target, jaxmp.get_policy("mixed_float16").with_output_dtype(jnp.float16),
-      model=model)
-  assert _opt_state(switched) is opt_state  # nothing to change: the scale stays
-
-
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_a_second_switch_to_the_same_policy_changes_nothing(framework):
-  once, model = _overflowed(framework)
-  once = jaxmp.switch_precision(once, "float32", model=model)
-  kept = [_opt_state(once), getattr(once, "tx", None), getattr(once, "apply_fn", None)]
-  again = jaxmp.switch_precision(once, "float32", model=model)
-  assert _opt_state(again) is kept[0] and getattr(again, "tx", None) is kept[1]
-  assert getattr(again, "apply_fn", None) == kept[2]
+  _assert_in("float32", switched, model)
+  # A second switch to the same policy changes nothing.
+  again = jaxmp.switch_precision(switched, "float32", model=model)
+  assert _opt_state(again) is new
+  if framework == "optax":
+    return
+  assert getattr(again, "tx", None) is switched.tx
+  assert getattr(again, "apply_fn", None) == getattr(switched, "apply_fn", None)
+  # An optimizer built afresh from the switched one has the switched structure.
+  fresh = (switched.tx.init(switched.params) if model is None
+           else nnx.Optimizer(model, switched.tx, wrt=nnx.Param).opt_state)
+  assert jax.tree_util.tree_structure(fresh) == jax.tree_util.tree_structure(new)
+  assert jaxmp.get_loss_scale(fresh) == jaxmp.NoOpLossScale()
+  if model is None:  # the TrainState's apply_fn runs under the new policy
+    assert _dot_dtypes(target.apply_fn, {"params": target.params}, X) == [
+        ("float16", "float16")]
+    assert _dot_dtypes(switched.apply_fn, {"params": switched.params}, X) == [
+        ("float32", "float32")]
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
@@ -314,17 +317,6 @@ def test_a_policy_that_would_store_the_params_in_16_bits_is_refused(framework):
   assert _opt_state(target) is opt_state
   _same_arrays(_kept(target, model), kept)
   _assert_in("mixed_float16", target, model)
-
-
-@pytest.mark.parametrize("framework", ["train_state", "nnx"])  # they hold the tx
-def test_an_optimizer_built_afresh_after_a_switch_has_the_switched_structure(framework):
-  target, model = _overflowed(framework)
-  switched = jaxmp.switch_precision(target, "float32", model=model)
-  fresh = (switched.tx.init(switched.params) if model is None
-           else nnx.Optimizer(model, switched.tx, wrt=nnx.Param).opt_state)
-  assert (jax.tree_util.tree_structure(fresh)
-          == jax.tree_util.tree_structure(switched.opt_state))
-  assert jaxmp.get_loss_scale(fresh) == jaxmp.NoOpLossScale()
 
 
 @pytest.mark.integration  # a fresh process: this one has imported jaxmp.flax
@@ -360,7 +352,9 @@ def test_the_controller_switches_on_overflows_at_the_minimum_scale(caplog):
   with caplog.at_level(logging.WARNING, logger="jaxmp"):
     for step in range(1, 7):
       _, opt_state = tx.update({"w": jnp.full(2, jnp.inf)}, opt_state, params)
-      opt_state, policy = fallback.update(opt_state, step=step)
+      returned, policy = fallback.update(opt_state, step=step)
+      assert (returned is opt_state) == (step != 3)  # a run not switched: as it is
+      opt_state = returned
       policies.append(str(policy))
   # 4 -> 2 -> 1, then the third overflow finds the scale at its floor.
   assert policies == ["p=f32,c=f16,o=f32"] * 2 + ["p=f32,c=f32,o=f32"] * 4
@@ -378,62 +372,44 @@ def test_the_controller_switches_on_overflows_at_the_minimum_scale(caplog):
   assert int(jaxmp.loss_scaling_metrics(opt_state)["skipped_steps"]) == 6
 
 
-def test_the_controller_reads_the_metrics_only_every_n_steps():
-  state = _at_the_floor()
+def test_check_reads_every_n_steps_tolerates_overflows_and_answers_the_next_rung():
+  state = _at_the_floor(2)  # one overflow at the floor
   fallback = jaxmp.PrecisionFallback(LADDER, every=5)
   for step in (1, 2, 3, 4):
     assert fallback.check(state, step=step) is None
   assert fallback.monitor.records == []
-  assert fallback.check(state, step=5) == "1 overflow(s) at the minimum loss scale 1"
+  assert fallback.check(state, step=5) == jaxmp.get_policy("float32")
   assert [r.step for r in fallback.monitor.records] == [5]
+  assert fallback.events == [] and fallback.rung == 0  # check switches nothing
+  tolerant = jaxmp.PrecisionFallback(LADDER, every=1, max_overflows_at_min=1)
+  assert tolerant.check(state, step=1) is None
+  assert tolerant.check(_at_the_floor(3), step=2) == jaxmp.get_policy("float32")
 
 
-def test_a_tolerated_overflow_at_the_minimum_does_not_switch():
-  state = _at_the_floor(2)
-  fallback = jaxmp.PrecisionFallback(LADDER, every=1, max_overflows_at_min=1)
-  assert fallback.check(state, step=1) is None
-  state = _at_the_floor(3)
-  assert fallback.check(state, step=2) == "2 overflow(s) at the minimum loss scale 1"
-
-
-def test_the_controller_switches_on_the_overflow_rate_after_a_whole_window():
+def test_the_overflow_rate_is_measured_over_a_whole_window_of_the_current_policy():
   # A static scale never reaches a floor: only the rate says float16 fails.
   tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.StaticLossScale(2.0**10))
   params = {"w": jnp.ones(2)}
   opt_state = tx.init(params)
-  fallback = jaxmp.PrecisionFallback(LADDER, every=2, window=8,
-                                     max_overflow_rate=0.25)
-  switched_at = None
-  for step in range(1, 17):
+  fallback = jaxmp.PrecisionFallback(
+      ("mixed_float16", "p=f32,c=f16,o=f16", "float32"), every=2, window=8,
+      max_overflow_rate=0.25)
+  for step in range(1, 25):
     grad = jnp.inf if step % 2 else 1.0  # half the steps overflow
     _, opt_state = tx.update({"w": jnp.full(2, grad)}, opt_state, params)
     opt_state, policy = fallback.update(opt_state, step=step)
-    if switched_at is None and policy == jaxmp.get_policy("float32"):
-      switched_at = step
   # The first look (step 2) starts the window; a whole one has passed at 10.
-  assert switched_at == 10
-  assert fallback.events[0].reason == (
-      "50% of the last 8 steps were skipped (loss scale 1024)")
+  # The next policy is measured from its switch: a whole window later, 18.
+  assert [(e.step, e.reason) for e in fallback.events] == [
+      (10, "50% of the last 8 steps were skipped (loss scale 1024)"),
+      (18, "50% of the last 8 steps were skipped (loss scale 1024)")]
+  assert policy == jaxmp.get_policy("float32")
 
 
-def test_the_overflow_rate_of_the_new_policy_is_measured_from_the_switch():
-  fallback = jaxmp.PrecisionFallback(("mixed_float16", "float32"), every=1,
-                                     window=4, max_overflow_rate=0.5)
-  tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.StaticLossScale(2.0))
-  params = {"w": jnp.ones(2)}
-  opt_state = tx.init(params)
-  for step in range(1, 6):  # every step overflows: switch at step 5
-    _, opt_state = tx.update({"w": jnp.full(2, jnp.inf)}, opt_state, params)
-    opt_state, _ = fallback.update(opt_state, step=step)
-  assert [e.step for e in fallback.events] == [5]
-  for step in range(6, 12):  # finite steps in float32: no rate from before
-    _, opt_state = tx.update({"w": jnp.ones(2)}, opt_state, params)
-    assert fallback.check(opt_state, step=step) is None
-
-
-def test_raise_mode_raises_check_loss_scales_error():
+@pytest.mark.parametrize("ladder", [LADDER, ("mixed_float16",)])
+def test_raise_mode_raises_check_loss_scales_error(ladder):
   state = _at_the_floor()
-  fallback = jaxmp.PrecisionFallback(LADDER, every=1, on_failure="raise")
+  fallback = jaxmp.PrecisionFallback(ladder, every=1, on_failure="raise")
   with pytest.raises(jaxmp.LossScaleAtMinimumError) as raised:
     fallback.update(state, step=1)
   with pytest.raises(jaxmp.LossScaleAtMinimumError) as expected:
@@ -442,27 +418,10 @@ def test_raise_mode_raises_check_loss_scales_error():
   assert fallback.events == [] and fallback.policy == jaxmp.get_policy(LADDER[0])
 
 
-def test_raise_mode_with_a_single_rung():
-  state = _at_the_floor()
-  fallback = jaxmp.PrecisionFallback(("mixed_float16",), every=1, on_failure="raise")
-  with pytest.raises(jaxmp.LossScaleAtMinimumError,
-                     match="Current loss scale already at minimum"):
-    fallback.update(state, step=1)
-
-
-def test_a_healthy_run_is_returned_as_it_is():
-  tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale())
-  params = {"w": jnp.ones(2)}
-  opt_state = tx.init(params)
-  fallback = jaxmp.PrecisionFallback(LADDER, every=1)
-  for step in range(1, 4):
-    _, opt_state = tx.update({"w": jnp.ones(2)}, opt_state, params)
-    returned, policy = fallback.update(opt_state, step=step)
-    assert returned is opt_state and policy is fallback.ladder[0]
-  assert fallback.events == []
-
-
-def test_bfloat16_rungs_on_hardware_that_runs_bfloat16():
+def test_the_ladder_follows_the_hardware():
+  assert not jaxmp.hardware_report().native_bfloat16  # this CPU
+  assert jaxmp.PrecisionFallback().ladder == (
+      jaxmp.get_policy("mixed_float16"), jaxmp.get_policy("float32"))
   report = dataclasses.replace(jaxmp.hardware_report(), platform="tpu",
                                native_bfloat16=True)
   fallback = jaxmp.PrecisionFallback(
@@ -471,24 +430,6 @@ def test_bfloat16_rungs_on_hardware_that_runs_bfloat16():
       "p=f32,c=f16,o=f32", "p=f32,c=bf16,o=f32", "p=f32,c=f32,o=f32"]
   assert jaxmp.PrecisionFallback(hardware=report).ladder == (
       jaxmp.get_policy("mixed_float16"), jaxmp.get_policy("mixed_bfloat16"))
-
-
-def test_the_default_ladder_on_this_cpu_falls_back_to_float32():
-  assert not jaxmp.hardware_report().native_bfloat16
-  assert jaxmp.PrecisionFallback().ladder == (
-      jaxmp.get_policy("mixed_float16"), jaxmp.get_policy("float32"))
-
-
-# -- A TrainState ---------------------------------------------------------------
-
-
-def test_train_state_switch_rewraps_apply_fn_with_the_new_policy():
-  state = _train_state()
-  switched = jaxmp.switch_precision(state, "float32")
-  assert _dot_dtypes(state.apply_fn, {"params": state.params}, X) == [
-      ("float16", "float16")]
-  assert _dot_dtypes(switched.apply_fn, {"params": switched.params}, X) == [
-      ("float32", "float32")]
 
 
 # -- A run that switches -------------------------------------------------------
@@ -529,66 +470,61 @@ def test_a_run_switches_once_compiles_once_more_and_keeps_params_and_moments(
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_a_checkpoint_after_the_switch_resumes_in_the_new_policy(framework, tmp_path):
-  target, model = _overflowed(framework)
-  fallback = jaxmp.PrecisionFallback(LADDER, every=1)
-  target, policy = _update(fallback, target, model, step=3)
-  float32 = jaxmp.get_policy("float32")
-  assert policy == float32
-  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", _checkpointed(target, model),
-                             fallback=fallback)
-
-  resumed = jaxmp.PrecisionFallback(LADDER, every=1)  # a new process
-  # The target is built in float16, as at the start of the run.
-  restored, restored_model, step, traces = _restore(tmp_path / "ckpt", framework,
-                                                    resumed)
-  assert resumed.events == fallback.events and resumed.rung == 1
-  assert resumed.policy == fallback.policy == float32
-  _assert_in(float32, restored, restored_model)
-  assert jaxmp.get_loss_scale(_opt_state(restored)) == jaxmp.NoOpLossScale()
-  _same_arrays(_kept(restored, restored_model), _kept(target, model))
-  _same_arrays(_opt_state(restored), _opt_state(target))
-  if framework != "optax":
-    assert int(jax.tree_util.tree_leaves(restored.step)[0]) == 3
-  # The restored state steps in float32 (a fresh jit: one trace).
-  restored = step(restored, X, resumed.policy)
-  assert len(traces) == 1
-  assert bool(jaxmp.loss_scaling_metrics(_opt_state(restored))["last_finite"])
-
-
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_an_abstract_target_follows_the_switch_too(framework, tmp_path):
-  target, model = _overflowed(framework)
-  fallback = jaxmp.PrecisionFallback(LADDER, every=1)
-  target, _ = _update(fallback, target, model, step=3)
-  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", _checkpointed(target, model),
-                             fallback=fallback)
-  resumed = jaxmp.PrecisionFallback(LADDER)
-  restored, restored_model, _, _ = _restore(tmp_path / "ckpt", framework, resumed,
-                                            abstract=True)
-  assert resumed.policy == jaxmp.get_policy("float32")
-  _assert_in("float32", restored, restored_model)
-  assert jaxmp.get_loss_scale(_opt_state(restored)) == jaxmp.NoOpLossScale()
-  _same_arrays(_kept(restored, restored_model), _kept(target, model))
-  _same_arrays(_opt_state(restored), _opt_state(target))
-
-
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_a_checkpoint_before_any_switch_restores_in_the_first_policy(
+def test_a_checkpoint_resumes_the_controller_and_the_target_in_the_saved_policy(
     framework, tmp_path):
   target, model = _overflowed(framework)  # at the floor, not switched yet
   fallback = jaxmp.PrecisionFallback(LADDER, every=1)
-  jaxmp.flax.save_checkpoint(tmp_path / "ckpt", _checkpointed(target, model),
-                             fallback=fallback)
-  resumed = jaxmp.PrecisionFallback(LADDER)
-  restored, restored_model, _, _ = _restore(tmp_path / "ckpt", framework, resumed)
-  float16 = jaxmp.get_policy("mixed_float16")
-  assert resumed.policy == float16 and resumed.rung == 0 and resumed.events == []
-  _assert_in(float16, restored, restored_model)
-  assert isinstance(jaxmp.get_loss_scale(_opt_state(restored)),
-                    jaxmp.DynamicLossScale)
-  _same_arrays(_kept(restored, restored_model), _kept(target, model))
-  _same_arrays(_opt_state(restored), _opt_state(target))
+  saved = {}
+  for name in ("before", "after"):  # the switch
+    if name == "after":
+      target, policy = _update(fallback, target, model, step=3)
+      assert policy == jaxmp.get_policy("float32")
+    jaxmp.flax.save_checkpoint(tmp_path / name, _checkpointed(target, model),
+                               fallback=fallback)
+    saved[name] = (_kept(target, model), jax.tree_util.tree_map(
+        jnp.copy, _opt_state(target)), list(fallback.events))
+  for name, abstract in [("before", False), ("after", False), ("after", True)]:
+    resumed = jaxmp.PrecisionFallback(LADDER, every=1)  # a new process
+    # The target is built in float16, as at the start of the run; abstract:
+    # only shapes and dtypes (jax.eval_shape, nnx.eval_shape).
+    restored, restored_model, step, traces = _restore(
+        tmp_path / name, framework, resumed, abstract)
+    kept, opt_state, events = saved[name]
+    policy = jaxmp.get_policy("float32" if name == "after" else "mixed_float16")
+    assert resumed.events == events and resumed.policy == policy
+    assert resumed.rung == (1 if name == "after" else 0)
+    _assert_in(policy, restored, restored_model)
+    assert isinstance(jaxmp.get_loss_scale(_opt_state(restored)), (
+        jaxmp.NoOpLossScale if name == "after" else jaxmp.DynamicLossScale))
+    _same_arrays(_kept(restored, restored_model), kept)
+    _same_arrays(_opt_state(restored), opt_state)
+    if name == "after" and not abstract:
+      if framework != "optax":
+        assert int(jax.tree_util.tree_leaves(restored.step)[0]) == 3
+      # The restored state steps in float32 (a fresh jit: one trace).
+      restored = step(restored, X, resumed.policy)
+      assert len(traces) == 1
+      assert bool(jaxmp.loss_scaling_metrics(_opt_state(restored))["last_finite"])
+
+
+def test_a_checkpoint_records_a_policy_off_the_ladder(tmp_path):
+  # A policy given to fallback.switch (a proposed ModulePolicy, say) is
+  # recorded whole: module classes by their import name, patterns, options.
+  state = _at_the_floor()
+  for i, policy in enumerate([
+      jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32", "head": "float32"},
+                              default="mixed_float16", first_match=True,
+                              override_dtype=(nn.Dense,)),
+      jaxmp.PathPolicy({"kernel": "float32"}, default="mixed_float16"),
+      "p=f32,c=f16,o=f16"]):
+    fallback = jaxmp.PrecisionFallback(LADDER)
+    switched, _ = fallback.switch(state, policy, reason="a test", step=1)
+    jaxmp.flax.save_checkpoint(tmp_path / str(i), switched, fallback=fallback)
+    resumed = jaxmp.PrecisionFallback(LADDER)
+    jaxmp.flax.restore_checkpoint(tmp_path / str(i), state, fallback=resumed)
+    assert resumed.policy == fallback.policy == (
+        jaxmp.get_policy(policy) if isinstance(policy, str) else policy)
+    assert resumed.events == fallback.events and resumed.rung == 0
 
 
 # -- Promotion: the module that overflows ---------------------------------------
@@ -684,13 +620,11 @@ def test_only_the_overflowing_module_is_promoted_and_training_then_skips_nothing
     framework):
   target, model, step, forward, classes = _classifier(framework)
   fallback = jaxmp.PrecisionFallback(LADDER, every=1)
-  reason = None
   for _ in range(6):  # 8 -> 4 -> 2 -> 1, then an overflow at the floor
     target, grads = step(target)
-    reason = fallback.check(target)
-    if reason:
+    if fallback.check(target) is not None:
       break
-  assert reason == "1 overflow(s) at the minimum loss scale 1"
+  assert fallback.check(target) == jaxmp.get_policy("float32")  # the next rung
   before = jax.tree_util.tree_map(jnp.copy, _kept(target, model))
   calls = {cls: vars(cls).get("__call__") for cls in classes}
   report = jaxmp.flax.find_overflowing_modules(*forward(target), grads=grads)
@@ -799,18 +733,6 @@ def test_the_innermost_producer_is_reported_however_deep():
   assert report.modules == ("block/head/head",)
 
 
-def test_promotion_on_top_of_a_module_policy_keeps_its_rules():
-  x = jax.random.normal(jax.random.key(1), (2, 4))
-  report = jaxmp.flax.find_overflowing_modules(
-      jaxmp.get_policy("mixed_float16").wrap_apply(OneBadModule().apply),
-      jax.jit(OneBadModule().init)(jax.random.key(0), x), x)
-  base = jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_float16")
-  policy = report.propose_policy(base)
-  assert policy == jaxmp.flax.ModulePolicy(
-      {"head": "float32", nn.LayerNorm: "float32"}, default="mixed_float16",
-      first_match=True, override_dtype=True)
-
-
 def test_the_proposed_policy_wins_over_a_declared_float16_dtype():
 
   class DeclaredFloat16(nn.Module):  # the model's own dtype, as in Flax's examples
@@ -834,15 +756,23 @@ def test_the_proposed_policy_wins_over_a_declared_float16_dtype():
   assert jaxmp.flax.find_overflowing_modules(promoted, variables, x).modules == ()
 
 
-def test_an_overflow_in_the_model_itself_promotes_the_whole_model():
+class Squares(nn.Module):
 
-  class Squares(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(2, name="dense")(x) * 3e4
+    return h * h  # the model's own operation overflows
 
-    @nn.compact
-    def __call__(self, x):
-      h = nn.Dense(2, name="dense")(x) * 3e4
-      return h * h  # the model's own operation overflows
 
+def test_the_proposal_keeps_a_module_policys_rules_or_promotes_the_whole_model():
+  x = jax.random.normal(jax.random.key(1), (2, 4))
+  report = jaxmp.flax.find_overflowing_modules(
+      jaxmp.get_policy("mixed_float16").wrap_apply(OneBadModule().apply),
+      jax.jit(OneBadModule().init)(jax.random.key(0), x), x)
+  base = jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_float16")
+  assert report.propose_policy(base) == jaxmp.flax.ModulePolicy(
+      {"head": "float32", nn.LayerNorm: "float32"}, default="mixed_float16",
+      first_match=True, override_dtype=True)
   x = jnp.ones((1, 2))
   apply = jaxmp.get_policy("mixed_float16").wrap_apply(Squares().apply)
   report = jaxmp.flax.find_overflowing_modules(

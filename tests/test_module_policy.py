@@ -298,10 +298,9 @@ def linen_jaxpr(model, policy, x=None):
   return jax.make_jaxpr(apply)(variables, x), apply, variables
 
 
-def test_linen_overlap_raises_unless_first_match():
+def test_linen_overlap_resolves_by_first_match():
+  # Without first_match it raises: the catalogue's "ModulePolicy: overlapping rules".
   rules = [(nn.Dense, "bf16"), ("Dense_1", "float32")]
-  with pytest.raises(ValueError):
-    linen_jaxpr(LinenNet(), jaxmp.flax.ModulePolicy(rules, default="float32"))
   first = jaxmp.flax.ModulePolicy(rules[::-1], default="float32", first_match=True)
   jaxpr, _, _ = linen_jaxpr(LinenNet(), first)
   assert dot_dtypes(eqns_of(jaxpr, "Dense_0")) == [(BF16, BF16)]
@@ -445,25 +444,15 @@ def output_dtypes(policy, model, variables, x):
   return seen
 
 
-def test_declared_float32_layers_win_without_override():
+def test_declared_dtypes_win_unless_override_dtype_makes_every_conv_and_matmul_float16():
   model, x, variables = declared_model()
-  policy = jaxmp.flax.ModulePolicy({}, default="mixed_float16")
-  assert matmul_dtypes(*forward_and_backward(policy, model, variables, x)) == [
-      (CONV, ("float32", "float32")), (DOT, ("float32", "float32")),
-      (DOT, ("float32", "float32")),  # forward
-      (DOT, ("float32", "float32")), (DOT, ("float32", "float32")),
-      (DOT, ("float32", "float32")), (DOT, ("float32", "float32")),
-      (CONV, ("float32", "float32"))]  # backward
-
-
-def test_override_dtype_makes_every_conv_and_matmul_float16():
-  model, x, variables = declared_model()
-  policy = jaxmp.flax.ModulePolicy({}, default="mixed_float16", override_dtype=True)
-  found = matmul_dtypes(*forward_and_backward(policy, model, variables, x))
-  assert [name for name, _ in found] == [CONV, DOT, DOT, DOT, DOT, DOT, DOT, CONV]
-  assert {dtypes for _, dtypes in found} == {("float16", "float16")}
-  # The LayerNorm returns float16; without the override, float32.
   plain = jaxmp.flax.ModulePolicy({}, default="mixed_float16")
+  policy = jaxmp.flax.ModulePolicy({}, default="mixed_float16", override_dtype=True)
+  found = {p: matmul_dtypes(*forward_and_backward(p, model, variables, x)) for p in (plain, policy)}
+  names = [CONV, DOT, DOT, DOT, DOT, DOT, DOT, CONV]  # forward, then backward
+  assert found[plain] == [(name, ("float32", "float32")) for name in names]
+  assert found[policy] == [(name, ("float16", "float16")) for name in names]
+  # The LayerNorm returns float16; without the override, float32.
   assert output_dtypes(policy, model, variables, x) == {
       "Conv_0": F16, "LayerNorm_0": F16, "SetupBlock_0": F16, "head": F16}
   assert output_dtypes(plain, model, variables, x) == {
@@ -473,9 +462,24 @@ def test_override_dtype_makes_every_conv_and_matmul_float16():
       jax.grad(lambda p: policy.wrap_apply(model.apply)({"params": p}, x).sum()),
       variables["params"])
   chex.assert_trees_all_equal_shapes_and_dtypes(grads, variables["params"])
-  assert {p.dtype for p in jax.tree_util.tree_leaves(grads)} == {F32}
   assert model.dtype is jnp.float32
   assert input_dtypes(model.apply, variables, x) == {"float32"}  # without the policy
+  # A TrainState under the policy trains its float32 params in float16.
+  state = jaxmp.flax.TrainState.create(
+      apply_fn=model.apply, params=variables["params"], tx=optax.sgd(0.1), policy=policy)
+
+  def train_step(state):
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, x)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, jnp.array([0, 2])).mean()
+
+    loss, grads = state.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+  assert input_dtypes(train_step, state) == {"float16"}
+  new_state, loss = jax.jit(train_step)(state)
+  assert np.isfinite(loss) and bool(new_state.metrics["last_finite"])
+  assert {p.dtype for p in jax.tree_util.tree_leaves(new_state.params)} == {F32}
 
 
 def test_override_dtype_for_chosen_classes_only():
@@ -492,85 +496,27 @@ def test_override_dtype_for_chosen_classes_only():
   assert input_dtypes(by_model.wrap_apply(model.apply), variables, x) == {"float16"}
 
 
-def test_override_dtype_recipe_for_a_train_state():
-  model, x, variables = declared_model()
-  y = jnp.array([0, 2])
-  state = jaxmp.flax.TrainState.create(
-      apply_fn=model.apply, params=variables["params"], tx=optax.sgd(0.1),
-      policy=jaxmp.flax.ModulePolicy({}, default="mixed_float16", override_dtype=True))
-
-  def train_step(state):
-    def loss_fn(params):
-      logits = state.apply_fn({"params": params}, x)
-      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    loss, grads = state.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
-
-  assert input_dtypes(train_step, state) == {"float16"}
-  new_state, loss = jax.jit(train_step)(state)
-  assert np.isfinite(loss) and bool(new_state.metrics["last_finite"])
-  assert {p.dtype for p in jax.tree_util.tree_leaves(new_state.params)} == {F32}
-
-
 class DeclaredHead(nn.Module):
 
-  @nn.compact
-  def __call__(self, x):
-    x = nn.relu(nn.Dense(8, name="body")(x))
-    return nn.Dense(4, dtype=jnp.float16, name="head")(x)
-
-
-def test_a_rule_that_a_declared_dtype_defeats_warns_once_per_trace_naming_the_module():
-  model, x = DeclaredHead(), jnp.ones((2, 3))
-  params = model.init(jax.random.key(0), x)["params"]
-  policy = jaxmp.flax.ModulePolicy({"head": "float32"}, default="mixed_float16")
-  # The head's own dtype=float16 wins over its rule's float32.
-  with pytest.warns(jaxmp.PrecisionWarning):
-    assert matmul_dtypes(policy.wrap_apply(model.apply), {"params": params}, x)[1] == (
-        DOT, ("float16", "float16"))
-  state = jaxmp.flax.TrainState.create(
-      apply_fn=model.apply, params=params, tx=optax.sgd(0.1), policy=policy)
-
-  @jax.jit
-  def step(state, x):
-    loss_fn = lambda p, x: jnp.mean(state.apply_fn({"params": p}, x) ** 2)
-    return state.value_and_grad(loss_fn)(state.params, x)
-
-  with pytest.warns(jaxmp.PrecisionWarning) as record:
-    step(state, x)
-    step(state, x)  # no new trace: no new warning
-  message, = [str(w.message) for w in record]
-  assert "'head' declares dtype=float16" in message
-  assert "override_dtype=True" in message
-  assert record[0].filename == __file__  # points at the call of the model
-  # Where the rule takes effect, nothing warns (autocast casts each op by it).
-  with warnings.catch_warnings():
-    warnings.simplefilter("error", jaxmp.PrecisionWarning)
-    for fine in (jaxmp.flax.ModulePolicy({"head": "float32"}, default="mixed_float16",
-                                         override_dtype=True),
-                 jaxmp.flax.ModulePolicy({"head": "float16"}, default="float32"),
-                 policy.for_autocast()[0]):
-      jax.make_jaxpr(fine.wrap_apply(model.apply))({"params": params}, x)
-
-
-class DeclaredFloat32Head(nn.Module):
+  head_dtype: Any = jnp.float32  # the head's own dtype
 
   @nn.compact
   def __call__(self, x):
     x = nn.relu(nn.Dense(8, name="body")(x))
-    return nn.Dense(4, dtype=jnp.float32, name="head")(x)
+    return nn.Dense(4, dtype=self.head_dtype, name="head")(x)
 
 
-@pytest.mark.parametrize("policy", [
-    "mixed_float16",
-    jaxmp.PathPolicy({"^body/": "mixed_float16"}, default="mixed_float16"),
-    jaxmp.flax.ModulePolicy({}, default="mixed_float16")],
-    ids=["policy", "path_policy", "module_policy"])
-def test_a_declared_dtype_the_policy_does_not_override_is_reported_once_per_trace(policy):
+@pytest.mark.parametrize("policy, declared, computes", [
+    ("mixed_float16", F32, F16),
+    (jaxmp.PathPolicy({"^body/": "mixed_float16"}, default="mixed_float16"), F32, F16),
+    (jaxmp.flax.ModulePolicy({}, default="mixed_float16"), F32, F16),
+    (jaxmp.flax.ModulePolicy({"head": "float32"}, default="mixed_float16"), F16, F32)],
+    ids=["policy", "path_policy", "module_policy", "module_rule"])
+def test_a_declared_dtype_the_policy_does_not_override_is_reported_once_per_trace(
+    policy, declared, computes):
   # Overridden or reported, never silently kept: the wrapped apply sees every
   # module as it is traced, so the report costs no trace of its own.
-  model, x = DeclaredFloat32Head(), jnp.ones((2, 3))
+  model, x = DeclaredHead(declared), jnp.ones((2, 3))
   params = model.init(jax.random.key(0), x)["params"]
   traces = []
 
@@ -591,19 +537,24 @@ def test_a_declared_dtype_the_policy_does_not_override_is_reported_once_per_trac
     warnings.simplefilter("always")
     step(x)
     step(x)  # no new trace: no new report
-  message, = [str(w.message) for w in record
-              if issubclass(w.category, jaxmp.PrecisionWarning)]
-  assert len(traces) == 1
-  assert "'head' declares dtype=float32, its policy computes in float16" in message
-  assert "Drop dtype=" in message and "ModulePolicy({'head': 'float32'}" in message
+    # The head's own dtype wins over its policy.
+    assert matmul_dtypes(step.args[0].apply_fn, {"params": params}, x)[1] == (
+        DOT, (declared.name, declared.name))
+  warned = [w for w in record if issubclass(w.category, jaxmp.PrecisionWarning)]
+  message = str(warned[0].message)
+  assert len(traces) == 1 and len(warned) == 2  # the step's, once; matmul_dtypes'
+  assert f"'head' declares dtype={declared.name}, its policy computes in {computes.name}" in message
+  assert "Drop dtype=" in message and "override_dtype=True" in message
+  assert f"ModulePolicy({{'head': '{declared.name}'}}" in message
+  assert warned[0].filename == __file__  # points at the call of the model
   # Kept on purpose by a rule, overridden, or autocast: nothing to report.
   with warnings.catch_warnings():
     warnings.simplefilter("error", jaxmp.PrecisionWarning)
     for kwargs in (
-        {"policy": jaxmp.flax.ModulePolicy({"head": "float32"}, default="mixed_float16")},
-        {"policy": jaxmp.PathPolicy({"^head/": "float32"}, default="mixed_float16")},
+        {"policy": jaxmp.flax.ModulePolicy({"head": declared.name}, default="mixed_float16")},
+        {"policy": jaxmp.PathPolicy({"^head/": declared.name}, default="mixed_float16")},
         {"policy": jaxmp.flax.ModulePolicy({}, default="mixed_float16", override_dtype=True)},
-        {"policy": policy, "autocast": True} if policy == "mixed_float16" else {}):
+        {} if isinstance(policy, jaxmp.PathPolicy) else {"policy": policy, "autocast": True}):
       step_of(**kwargs)(x)
 
 

@@ -18,7 +18,7 @@
 """
 
 from jaxmp._src.flax.checkpoint import restore_checkpoint, save_checkpoint
-from jaxmp._src.flax.fp8_nnx import Fp8Meta
+from jaxmp._src.flax.fp8 import Fp8Meta
 from jaxmp._src.flax.module_policy import ModulePolicy
 from jaxmp._src.flax.promotion import find_overflowing_modules
 from jaxmp._src.flax.train_state import TrainState

@@ -1,128 +1,67 @@
-"""FP8 matmuls in Linen modules: Flax's ``fp8_ops`` under a policy and a guard.
+"""FP8 matmuls: Flax's ``fp8_ops`` under an FP8 policy, for Linen and NNX.
 
-An FP8 policy (``dot=fp8``) makes the ``nn.Dense`` and ``nn.DenseGeneral``
-modules that run under it call Flax's ``fp8_ops.Fp8DirectDotGeneralOp``
-(their ``dot_general_cls`` in the copy of the module that
-:class:`jaxmp.flax.ModulePolicy` runs; Linen's ``nn.Einsum`` takes none and is
-refused). Flax keeps each op's scales
-and amax histories, the *FP8 meta*, in the collection
-``"_overwrite_with_gradient"``: the "gradient" of a meta leaf is its new
-value. This module holds what jaxmp adds around Flax's ops, for Linen and
-(through ``_src/flax/fp8_nnx.py``) NNX alike:
-
-* :func:`fp8_dot_general_cls`: which op a module gets (and the refusal of
-  the modules it cannot reach);
-* :func:`flax_fp8_meta`: the meta of one op as Flax lays it out;
-* :func:`in_step_units`: the FP8 meta of the output gradients is kept in
-  *unscaled* units; for one step it is multiplied by the loss scale (the
-  gradients the op sees are scaled), and its new value divided by it;
-* :func:`split_fp8_grads`, :func:`keep_meta_of_ops_that_did_not_run`,
-  :func:`meta_is_finite` and :func:`skip_unless_meta_finite`, which
-  :meth:`jaxmp.flax.TrainState.apply_gradients` and the NNX path of
-  :func:`jaxmp.scaled_value_and_grad` use to guard the meta.
+A Linen Dense layer gets Flax's ``Fp8DirectDotGeneralOp`` as its
+``dot_general_cls``; an NNX matmul layer an op calling Flax's
+``fp8_scaled_dot_general`` with its meta in :class:`Fp8Meta` variables. As
+in Flax, a meta leaf's gradient is its new value. jaxmp stores the
+output-gradient meta in unscaled units, keeps the meta of an op that did not
+run, and skips a step whose new meta is not finite; the meta is state kept
+with :func:`jaxmp.keep_on_skip`.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from flax import nnx
 from flax.linen import fp8_ops
+from jax import lax
 
 from jaxmp._src.loss_scale import all_finite
 from jaxmp._src.policy import Fp8Policy
 
-# The Flax collection of the FP8 meta (scales and amax histories).
-FP8_META = fp8_ops.OVERWRITE_WITH_GRADIENT
-
-# The meta leaves measured on the output gradients: in the loss scale's units
-# inside a step, stored without it.
-_OUTPUT_GRAD_LEAVES = ("output_grad_scale", "output_grad_amax_history")
+FP8_META = fp8_ops.OVERWRITE_WITH_GRADIENT  # Flax's collection of the meta
+# The meta measured on the output gradients: scaled in a step, stored unscaled.
+_OUTPUT_GRAD = ("output_grad_scale", "output_grad_amax_history")
 
 
-def uses_fp8(policies: Any) -> bool:
-  """Whether any of ``policies`` (an iterable of policies or None) is FP8."""
-  return any(isinstance(p, Fp8Policy) for p in policies)
+def _own_matmul(policy: Any, layer: str, path: str, attribute: str) -> ValueError:
+  return ValueError(
+      f"{policy}: the {layer} at {path or '(root)'!r} has its own {attribute}, "
+      "which the FP8 policy would replace. Give it its own rule with a policy "
+      f"without dot=fp8 (e.g. jaxmp.flax.ModulePolicy({{'{path}': "
+      f"'mixed_bfloat16'}}, default='mixed_fp8')), or drop its {attribute}.")
 
 
-def flax_fp8_meta(amax_history_length: int) -> dict[str, jax.Array]:
-  """The FP8 meta of one op, ``{name: array}``, as Flax's ops create it.
-
-  Read from Flax's own ``fp8_ops.Fp8DotGeneralBase`` (the base of
-  ``Fp8DirectDotGeneralOp`` and ``Fp8Einsum``), so that the NNX ops keep the
-  same names, shapes and initial values as the Linen ones: a ``(1,)`` scale
-  of ones and an ``(amax_history_length,)`` history of zeros for each of the
-  input, the kernel and the output gradient.
-  """
-  return {name: jnp.asarray(value)
-          for name, value in _flax_fp8_meta_values(amax_history_length)}
-
-
-@functools.lru_cache(maxsize=None)
-def _flax_fp8_meta_values(amax_history_length: int) -> tuple[tuple[str, Any], ...]:
-  """The initial meta of Flax's op as read-only numpy arrays, read once per length."""
-  op = fp8_ops.Fp8DotGeneralBase(amax_history_length=amax_history_length)
-  variables = op.init(jax.random.key(0), method=lambda op: op.input_scale)
-  values = []
-  for name, value in variables[FP8_META].items():
-    value = np.array(value)
-    value.setflags(write=False)
-    values.append((name, value))
-  return tuple(values)
-
-
-def fp8_dot_general_cls(module: Any, policy: Any) -> Any:
-  """The ``dot_general_cls`` to give ``module`` while it runs under ``policy``.
-
-  ``None`` when nothing is injected: the policy is not an
-  FP8 policy (``dot=fp8``), or the module is not a Dense layer (activations,
-  norms, convolutions and the FP8 ops themselves run in the base compute
-  dtype).
-
-  Raises:
-    ValueError: for a Dense layer that has its own
-      ``dot_general``/``dot_general_cls``, and for an ``nn.Einsum``, which
-      takes no ``dot_general_cls`` in Linen.
-  """
+def fp8_dot_general_cls(module: Any, policy: Any, path: str) -> Any:
+  """The ``dot_general_cls`` a Linen module gets under ``policy``, or None."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
   if not isinstance(policy, Fp8Policy):
     return None
-  name = type(module).__name__
   if isinstance(module, nn.Einsum):
     raise ValueError(
-        f"{policy}: the module {name} {module.name!r} is a Linen nn.Einsum, "
-        "which computes with jnp.einsum and takes no dot_general_cls, so the "
-        "FP8 policy cannot reach its matmul. Give it a rule with a policy "
-        "without dot=fp8 (e.g. jaxmp.flax.ModulePolicy({" + name + ": "
-        "'mixed_bfloat16'}, default='mixed_fp8')), or use nn.DenseGeneral "
-        "for the matmul to run in FP8.")
+        f"{policy}: the module Einsum at {path!r} is a Linen nn.Einsum, which "
+        "computes with jnp.einsum and takes no dot_general_cls, so the FP8 "
+        "policy cannot reach its matmul. Give it a rule with a policy without "
+        "dot=fp8 (e.g. jaxmp.flax.ModulePolicy({Einsum: 'mixed_bfloat16'}, "
+        "default='mixed_fp8')), or use nn.DenseGeneral for the matmul to run "
+        "in FP8.")
   if not isinstance(module, (nn.Dense, nn.DenseGeneral)):
     return None
   if module.dot_general_cls is not None or module.dot_general is not None:
-    raise ValueError(
-        f"{policy}: the module {name} {module.name!r} has "
-        "its own dot_general/dot_general_cls, which the FP8 policy would "
-        "replace. Give it its own rule with a policy without dot=fp8 (e.g. "
-        "jaxmp.flax.ModulePolicy({'" + str(module.name) + "': "
-        "'mixed_bfloat16'}, default='mixed_fp8')), or drop its dot_general.")
-  return functools.partial(
-      fp8_ops.Fp8DirectDotGeneralOp,
-      amax_history_length=policy.amax_history_length)
+    raise _own_matmul(policy, type(module).__name__, path, "dot_general")
+  return functools.partial(fp8_ops.Fp8DirectDotGeneralOp,
+                           amax_history_length=policy.amax_history_length)
 
 
-def _leaf_name(path: tuple[Any, ...]) -> Any:
-  """The name of a meta leaf (``"input_scale"``, ...) from its tree path."""
-  last = path[-1] if path else None
-  return getattr(last, "key", getattr(last, "name", None))
-
-
-def _is_output_grad_leaf(path: tuple[Any, ...]) -> bool:
-  return _leaf_name(path) in _OUTPUT_GRAD_LEAVES
+def _is_output_grad(path: tuple[Any, ...]) -> bool:
+  return getattr(path[-1], "key", getattr(path[-1], "name", None)) in _OUTPUT_GRAD
 
 
 @jax.custom_vjp
@@ -135,8 +74,8 @@ def _to_scaled_units_fwd(x, loss_scale):
 
 
 def _to_scaled_units_bwd(loss_scale, new_value):
-  # Flax's ops return a meta leaf's new value as its cotangent: it comes back
-  # in the step's (scaled) units and is stored without the loss scale.
+  # Flax's ops return a meta leaf's new value as its cotangent: in the step's
+  # (scaled) units, stored without the loss scale.
   return new_value / loss_scale.astype(new_value.dtype), jnp.zeros_like(loss_scale)
 
 
@@ -144,86 +83,181 @@ _to_scaled_units.defvjp(_to_scaled_units_fwd, _to_scaled_units_bwd)
 
 
 def in_step_units(fp8_meta: Any, loss_scale: jax.Array) -> Any:
-  """The FP8 meta as the ops of one step at ``loss_scale`` must see it.
+  """The meta as the ops of a step at ``loss_scale`` see it.
 
-  The output-gradient scales and amax histories are stored in unscaled units;
-  the op quantizes the *scaled* output gradient, so for the step they are
-  multiplied by the loss scale, and the new values the op returns (as the
-  meta's cotangents) are divided by it. With a power-of-two loss scale both
-  are exact, so after a finite step the stored meta equals what Flax's own
-  rule gives at loss scale 1, and a change of loss scale moves the FP8 range
-  with it instead of overflowing (saturating) or wasting it for a whole
-  history window. The input and kernel meta is used as it is.
+  The op quantizes the *scaled* output gradient, so its stored (unscaled)
+  output-gradient meta is multiplied by the loss scale for the step, and the
+  new values it returns are divided by it: exact for a power-of-two scale, so
+  the FP8 range moves with the loss scale instead of saturating.
   """
   loss_scale = jnp.asarray(loss_scale, jnp.float32)
-
-  def convert(path, leaf):
-    return _to_scaled_units(leaf, loss_scale) if _is_output_grad_leaf(path) else leaf
-
-  return jax.tree_util.tree_map_with_path(convert, fp8_meta)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: _to_scaled_units(leaf, loss_scale)
+      if _is_output_grad(path) else leaf, fp8_meta)
 
 
 def split_fp8_grads(tree: Any, owner: str = "TrainState") -> tuple[Any, Any] | None:
-  """``(params, fp8_meta)`` of Flax's FP8 layout ``{"params": ..., FP8_META: ...}``.
-
-  The variables (or their gradients, or a ``TrainState``'s ``params``) of a
-  model with FP8 ops; ``None`` for a tree without the meta collection.
-
-  Raises:
-    ValueError: if ``tree`` holds the meta next to other keys than
-      ``"params"``.
-  """
+  """``(params, meta)`` of Flax's layout ``{"params": ..., FP8_META: ...}``, or None."""
   if not (isinstance(tree, Mapping) and FP8_META in tree):
     return None
   if set(tree) != {"params", FP8_META}:
     raise ValueError(
         f"{owner}: Flax's FP8 layout is {{'params': ..., {FP8_META!r}: ...}}, "
-        f"got the keys {sorted(tree)}. "
-        "Keep other collections (batch_stats) in fields of their own.")
+        f"got the keys {sorted(tree)}. Keep other collections (batch_stats) in "
+        "fields of their own.")
   return tree["params"], tree[FP8_META]
 
 
 def keep_meta_of_ops_that_did_not_run(old_meta: Any, new_meta: Any) -> Any:
-  """``new_meta``, with the old meta of every op whose new input scale is 0.
+  """``new_meta``, with the old meta of each op whose new ``input_scale`` is 0.
 
-  Flax's overwrite-with-gradient pattern returns each op's new meta as the
-  meta's cotangent, so an op that did not run in the step (a layer skipped
-  by a branch, an unused head) gets zeros: its scales would be overwritten
-  with 0 and its histories emptied, and its next run would divide by a zero
-  scale. A scale Flax computes is never 0 otherwise, except when the amax is
-  so small (below about 1e-36) that ``fp8_max / amax`` overflows float32, where
-  keeping the old scale is right too. So each op (the six leaves under one
-  parent) keeps all its old meta when its new ``input_scale`` is 0. A
-  ``jnp.where`` per leaf on the op's flag: no host synchronisation.
+  An op that did not run in the step gets zeros as its "gradient"; written
+  back, its scales would be 0.
   """
   ran = {path[:-1]: jnp.all(leaf != 0)
          for path, leaf in jax.tree_util.tree_leaves_with_path(new_meta)
-         if _leaf_name(path) == "input_scale"}
-
-  def select(path, old, new):
-    flag = ran.get(path[:-1])
-    return new if flag is None else jnp.where(flag, new, old)
-
-  return jax.tree_util.tree_map_with_path(select, old_meta, new_meta)
-
-
-def meta_is_finite(fp8_meta: Any) -> jax.Array:
-  """Whether every leaf of the new FP8 meta is finite (a scalar bool).
-
-  Flax's ops saturate: an inf output gradient is clipped to the FP8 maximum,
-  so the weight gradients it gives can be finite while its amax is inf. The
-  guard therefore looks at the new meta too.
-  """
-  return all_finite(fp8_meta)
+         if getattr(path[-1], "key", getattr(path[-1], "name", None)) == "input_scale"}
+  return jax.tree_util.tree_map_with_path(
+      lambda path, old, new: new if path[:-1] not in ran
+      else jnp.where(ran[path[:-1]], new, old), old_meta, new_meta)
 
 
 def skip_unless_meta_finite(grads: Any, new_meta: Any) -> Any:
-  """``grads``, made nan where the new FP8 meta is not finite.
+  """``grads``, made nan where the new meta is not finite.
 
-  The loss-scaling optimizer then treats the step as non-finite (it skips
-  the update and backs the loss scale off), and the meta is kept with the
-  rest. A ``jnp.where`` on one flag: no host synchronisation.
+  Flax's ops saturate an inf output gradient, so the weight gradients may be
+  finite while the new amax is not: the loss-scaling optimizer then skips.
   """
-  finite = meta_is_finite(new_meta)
+  finite = all_finite(new_meta)
   return jax.tree_util.tree_map(
       lambda g: jnp.where(finite, g, jnp.asarray(jnp.nan, g.dtype)), grads)
+
+
+# NNX: the ops and their meta.
+
+
+class Fp8Meta(nnx.Variable):
+  """The NNX variable type of the FP8 meta: scales and amax histories.
+
+  Under an FP8 policy, :meth:`jaxmp.flax.ModulePolicy.set_nnx_dtypes` gives
+  each ``nnx.Linear``, ``nnx.LinearGeneral`` and ``nnx.Einsum`` an FP8 op
+  whose six meta arrays, named and initialised as in Flax's Linen
+  ``fp8_ops``, are variables of this type. It is no ``nnx.Param``, so an
+  ``nnx.Optimizer(..., wrt=nnx.Param)`` never sees it; use it as an NNX
+  filter.
+
+  Args:
+    value: a ``(1,)`` scale or an ``(amax_history_length,)`` history.
+    **metadata: NNX variable metadata.
+
+  Example:
+    >>> import jaxmp, jaxmp.flax
+    >>> from flax import nnx
+    >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+    >>> _ = jaxmp.flax.ModulePolicy({}, default="mixed_fp8").set_nnx_dtypes(model)
+    >>> meta = nnx.state(model, jaxmp.flax.Fp8Meta)
+    >>> meta["dot_general"]["input_scale"][...]
+    Array([1.], dtype=float32)
+  """
+
+  def __init__(self, value: Any, **metadata: Any):
+    super().__init__(value, **metadata)
+
+
+# NNX's metaclass shows inspect (*args, **kwargs): the signature of __init__.
+Fp8Meta.__signature__ = inspect.signature(Fp8Meta.__init__).replace(
+    parameters=list(inspect.signature(Fp8Meta.__init__).parameters.values())[1:])
+
+
+class Fp8Op(nnx.Module):
+  """The meta of one FP8 matmul, laid out as Flax's Linen op's."""
+
+  def __init__(self, amax_history_length: int):
+    self.amax_history_length = amax_history_length
+    for kind in ("input", "kernel", "output_grad"):
+      setattr(self, f"{kind}_amax_history",
+              Fp8Meta(jnp.zeros((amax_history_length,), jnp.float32)))
+      setattr(self, f"{kind}_scale", Fp8Meta(jnp.ones((1,), jnp.float32)))
+
+  def _dot_general(self, compute_dtype: Any) -> Any:
+    return functools.partial(
+        fp8_ops.fp8_scaled_dot_general,
+        lhs_scale=self.input_scale[...], rhs_scale=self.kernel_scale[...],
+        grad_scale=self.output_grad_scale[...],
+        lhs_amax_history=self.input_amax_history[...],
+        rhs_amax_history=self.kernel_amax_history[...],
+        grad_amax_history=self.output_grad_amax_history[...],
+        quantize_compute_type=compute_dtype)
+
+
+def _no_out_sharding(out_sharding: Any) -> None:
+  if out_sharding is not None:
+    raise ValueError(
+        "jaxmp's FP8 op: Flax's fp8_scaled_dot_general takes no out_sharding, "
+        f"but the layer was called with out_sharding={out_sharding!r}. Call "
+        "the layer without it (shard the result with jax.sharding.reshard), "
+        "or give the layer a policy without dot=fp8.")
+
+
+class Fp8DotGeneral(Fp8Op):
+  """An ``nnx.Linear``'s ``dot_general`` in FP8, as Flax's ``Fp8DirectDotGeneralOp``."""
+
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+               preferred_element_type=None, out_sharding=None):
+    del precision  # fp8_scaled_dot_general sets its own
+    _no_out_sharding(out_sharding)
+    lhs = jnp.asarray(lhs, rhs.dtype)
+    return self._dot_general(rhs.dtype)(
+        lhs, rhs, dimension_numbers,
+        preferred_element_type=preferred_element_type or lhs.dtype)
+
+
+class Fp8Einsum(Fp8Op):
+  """An ``nnx.Einsum``'s ``einsum_op`` in FP8, as Flax's ``fp8_ops.Fp8Einsum``."""
+
+  def __call__(self, einsum_str, lhs, rhs, precision=None,
+               preferred_element_type=None, out_sharding=None):
+    _no_out_sharding(out_sharding)
+    return jnp.einsum(einsum_str, lhs.astype(rhs.dtype), rhs, precision=precision,
+                      preferred_element_type=preferred_element_type,
+                      _dot_general=self._dot_general(rhs.dtype))
+
+
+def nnx_fp8_op(module: Any, policy: Any, path: str,
+               switching: bool) -> tuple[str, Any, str | None] | None:
+  """``(attribute, value, path if an FP8 op comes off)`` that gives an NNX
+  layer its matmul under ``policy``, or None to leave it.
+
+  A layer with an FP8 op of the same history length keeps it (and its meta).
+  Another FP8 op comes off (its meta with it) only when ``switching``
+  (:func:`jaxmp.switch_precision`); else it is refused.
+  """
+  if isinstance(module, nnx.Einsum):
+    attribute, default, op_type = "einsum_op", jnp.einsum, Fp8Einsum
+  elif isinstance(module, nnx.Linear):
+    attribute, default, op_type = "dot_general", lax.dot_general, Fp8DotGeneral
+  elif isinstance(module, nnx.LinearGeneral):
+    attribute, default, op_type = "dot_general", None, Fp8DotGeneral
+  else:
+    return None
+  current, fp8 = getattr(module, attribute), isinstance(policy, Fp8Policy)
+  new = nnx.data(op_type(policy.amax_history_length)) if fp8 else nnx.static(default)
+  layer = type(module).__name__
+  if isinstance(current, Fp8Op):
+    if fp8 and current.amax_history_length == policy.amax_history_length:
+      return None
+    if not switching:
+      raise ValueError(
+          f"set_nnx_dtypes: the {layer} at {path or '(root)'!r} already has "
+          "jaxmp's FP8 op from an earlier set_nnx_dtypes, with an amax history "
+          f"of {current.amax_history_length}, which {policy} would change. "
+          "Build the model anew and call set_nnx_dtypes once with the policy "
+          "you want (or switch it with jaxmp.switch_precision).")
+    return attribute, new, path
+  if not fp8:
+    return None
+  if isinstance(module, nnx.LinearGeneral) and module.dot_general_cls is not None:
+    raise _own_matmul(policy, layer, path, "dot_general_cls")
+  if current is not default:
+    raise _own_matmul(policy, layer, path, attribute)
+  return attribute, new, None

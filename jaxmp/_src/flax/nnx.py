@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from jaxmp._src.flax.fp8 import (
     in_step_units, keep_meta_of_ops_that_did_not_run, skip_unless_meta_finite)
-from jaxmp._src.flax.fp8_nnx import Fp8Meta
+from jaxmp._src.flax.fp8 import Fp8Meta
 from jaxmp._src.loss_scale import all_finite
 from jaxmp._src.value_and_grad import scale_then_differentiate
 
