@@ -403,12 +403,16 @@ def test_values_given_as_arrays_are_validated_and_stored_as_state():
   # A float32 JAX array is kept as it is, on its device.
   scale = jnp.float32(4.0)
   assert jaxmp.StaticLossScale(scale).loss_scale is scale
-
-
-def test_jmp_readme_float16_scale_is_stored_as_float32():
+  # jmp's README scale (float16) and a bfloat16 one are stored as float32.
   ls = jaxmp.DynamicLossScale(jmp.half_dtype()(2**15))
   assert ls.loss_scale.dtype == np.float32 and float(ls.loss_scale) == 2.0**15
   assert jaxmp.StaticLossScale(jnp.bfloat16(4.0)).loss_scale.dtype == np.float32
+  # The range ends: the smallest normal float32 and the largest one.
+  assert float(jaxmp.StaticLossScale(F32_TINY).loss_scale) == F32_TINY
+  ls = jaxmp.DynamicLossScale(F32_TINY, min_loss_scale=0.0)
+  assert float(ls.adjust(jnp.array(False)).loss_scale) == F32_TINY
+  assert float(jaxmp.DynamicLossScale(F32_MAX).loss_scale) == F32_MAX
+  assert jaxmp.DynamicLossScale(max_loss_scale=math.inf).max_loss_scale == F32_MAX
 
 
 def test_integer_arrays_for_scales_are_converted_with_jmp_warning():
@@ -424,14 +428,6 @@ def test_integer_arrays_for_scales_are_converted_with_jmp_warning():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     jaxmp.DynamicLossScale(16, min_loss_scale=2)  # Python ints: no warning
-
-
-def test_smallest_normal_float32_scale_is_accepted():
-  assert float(jaxmp.StaticLossScale(F32_TINY).loss_scale) == F32_TINY
-  ls = jaxmp.DynamicLossScale(F32_TINY, min_loss_scale=0.0)
-  assert float(ls.adjust(jnp.array(False)).loss_scale) == F32_TINY
-  assert float(jaxmp.DynamicLossScale(F32_MAX).loss_scale) == F32_MAX
-  assert jaxmp.DynamicLossScale(max_loss_scale=math.inf).max_loss_scale == F32_MAX
 
 
 def test_traced_state_values_are_accepted_and_converted():
