@@ -32,6 +32,7 @@ from jaxmp._src.loss_scale import (
 from jaxmp._src.loss_scaling import (
     LossScalingState,
     get_loss_scale,
+    keep_on_skip,
     loss_scaling,
     loss_scaling_metrics,
 )
@@ -50,7 +51,7 @@ from jaxmp._src.precision_audit import (
     PrecisionWarning,
     precision_report,
 )
-from jaxmp._src.recovery import RecoveryInfo, keep_on_skip, retry_skipped
+from jaxmp._src.recovery import RecoveryInfo, retry_skipped
 from jaxmp._src.torch_scaler import from_torch_grad_scaler
 from jaxmp._src.value_and_grad import scaled_value_and_grad
 

@@ -1,7 +1,6 @@
 """The layout of docs/architecture.md: imports go one way, and _src is private."""
 
 import ast
-import graphlib
 import pathlib
 
 import pytest
@@ -32,12 +31,18 @@ def _module_name(path: pathlib.Path) -> str:
 
 
 def _jaxmp_imports(path: pathlib.Path) -> set[str]:
-  """The jaxmp modules that a file imports, at any depth of its code."""
+  """The jaxmp modules that a file imports, at any depth of its code.
+
+  ``from jaxmp._src.flax import nnx`` imports the module ``jaxmp._src.flax.nnx``.
+  """
   found = set()
   for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
     if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
       if node.module.startswith("jaxmp"):
-        found.add(node.module)
+        for alias in node.names:
+          module = f"{node.module}.{alias.name}"
+          is_module = ROOT.joinpath(*module.split(".")).with_suffix(".py").exists()
+          found.add(module if is_module else node.module)
     elif isinstance(node, ast.Import):
       found.update(a.name for a in node.names if a.name.startswith("jaxmp"))
   return found
@@ -46,19 +51,38 @@ def _jaxmp_imports(path: pathlib.Path) -> set[str]:
 def _src_graph() -> dict[str, set[str]]:
   graph = {}
   for path in sorted((PACKAGE / "_src").rglob("*.py")):
-    name = _module_name(path)
-    graph[name] = {m for m in _jaxmp_imports(path) if m.startswith("jaxmp._src")}
+    if path.name != "__init__.py":
+      graph[_module_name(path)] = {
+          m for m in _jaxmp_imports(path) if m.startswith("jaxmp._src")}
   return graph
 
 
-def test_private_modules_import_each_other_without_cycles():
-  graph = _src_graph()
-  assert len(graph) > 15
-  try:
-    order = list(graphlib.TopologicalSorter(graph).static_order())
-  except graphlib.CycleError as e:
-    pytest.fail(f"import cycle among jaxmp._src modules: {e.args[1]}")
-  assert set(order) >= set(graph)
+def _page_order() -> list[tuple[str, set[str]]]:
+  """The import-direction block of docs/architecture.md: (module, its imports)."""
+  page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+  block = page.split("```text\n", 1)[1].split("```", 1)[0]
+  order = []
+  for line in block.splitlines():
+    text = line.split("(", 1)[0]
+    if not line.startswith(" "):
+      name, _, text = text.partition("->")
+      order.append(("jaxmp._src." + name.strip().replace("/", "."), set()))
+    order[-1][1].update("jaxmp._src." + m.strip().replace("/", ".")
+                        for m in text.split(",") if m.strip())
+  return order
+
+
+def test_imports_go_one_way_as_the_architecture_page_draws_them():
+  # No cycle and no climb back up: every import of a private module, at any
+  # depth of its code (a function's too), goes to a module drawn above it,
+  # and the page draws exactly the imports each module makes.
+  graph, order = _src_graph(), _page_order()
+  assert sorted(name for name, _ in order) == sorted(graph)
+  above = set()
+  for name, drawn in order:
+    assert graph[name] <= above, f"{name} imports {graph[name] - above} from below"
+    assert graph[name] == drawn, f"{name}: the page draws {drawn}, the code {graph[name]}"
+    above.add(name)
 
 
 def test_private_modules_never_import_the_public_packages():

@@ -58,20 +58,14 @@ def overflow_setup():
   return params, x, y
 
 
-def test_the_forward_pass_really_overflows_in_float16_only():
-  params, x, y = overflow_setup()
-  assert float(jnp.max(jnp.abs(x))) < 65504  # the inputs fit in float16
-  forward = jax.jit(mlp, static_argnums=2)
-  out16 = forward(params, x, MIXED)
-  out32 = forward(params, x, FLOAT32)
-  assert not bool(jnp.all(jnp.isfinite(out16)))  # activations overflowed
-  assert bool(jnp.all(jnp.isfinite(out32)))
-  assert float(jnp.max(jnp.abs(out32))) > 65504  # beyond float16's range
-  assert not np.isfinite(float(jax.jit(mse, static_argnums=3)(params, x, y, MIXED)))
-
-
 def test_forward_overflow_is_skipped_and_reported():
   params, x, y = overflow_setup()
+  # The overflow is real: the inputs fit in float16, the activations do not.
+  assert float(jnp.max(jnp.abs(x))) < 65504
+  forward = jax.jit(mlp, static_argnums=2)
+  assert not bool(jnp.all(jnp.isfinite(forward(params, x, MIXED))))
+  assert bool(jnp.all(jnp.isfinite(forward(params, x, FLOAT32))))
+  assert float(jnp.max(jnp.abs(forward(params, x, FLOAT32)))) > 65504
   tx = jaxmp.loss_scaling(optax.adam(1e-3), jaxmp.DynamicLossScale(2.0**15))
   opt_state = tx.init(params)
   reports = []

@@ -1,11 +1,5 @@
-"""The optax wrapper: unscale, check, update or skip, adjust the loss scale.
-
-Also the one search for the wrapper's state in a nested optimizer state
-(:func:`loss_scaling_states_with_path`), which :func:`get_loss_scale`,
-:func:`loss_scaling_metrics`, :func:`jaxmp.check_loss_scale` and the
-checkpoints use, and the check that refuses wrapping twice
-(:func:`check_no_loss_scaling_state`).
-"""
+"""The optax wrapper (unscale, check, update or skip, adjust), its state, ``keep_on_skip``,
+and the one search for that state in any pytree (:func:`loss_scaling_states_with_path`)."""
 
 from __future__ import annotations
 
@@ -17,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxmp._src.inplace_select import check_same_structure, update_or_keep
-from jaxmp._src.loss_scale import LossScale, NoOpLossScale, agree_across, all_finite
+from jaxmp._src.loss_scale import LossScale, NoOpLossScale, all_finite
 from jaxmp._src.validation import (
     caller_stacklevel, check_bool, check_number, jmp_loss_scale_fix)
 
@@ -26,25 +20,12 @@ KeyPath = tuple[Any, ...]
 
 
 class LossScalingState(NamedTuple):
-  """State of :func:`loss_scaling`.
-
-  Attributes:
-    inner_state: the wrapped optimizer's state; kept bit-identical on skipped
-      steps.
-    loss_scale: the current loss scale (a :class:`jaxmp.LossScale`).
-    skipped_steps: int32, the number of steps skipped so far.
-    last_finite: bool, whether the last step's gradients were finite.
-    recovered_steps: int32, the steps whose batch was recovered inside the
-      step (by a retry or the fallback of :func:`jaxmp.retry_skipped`).
-    fallback_steps: int32, the steps among those recovered by the fallback.
-    lost_steps: int32, the steps whose batch was lost: still non-finite after
-      any recovery, so skipped (equal to ``skipped_steps``; the name says
-      what a skip costs).
+  """State of :func:`loss_scaling`: the inner state (bit-identical on skipped steps),
+  the loss scale, and the counters :func:`loss_scaling_metrics` reports.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxmp
-    >>> tx = jaxmp.loss_scaling(optax.adam(1e-3), jaxmp.DynamicLossScale())
-    >>> state = tx.init(jnp.zeros(2))
+    >>> state = jaxmp.loss_scaling(optax.adam(1e-3), jaxmp.DynamicLossScale()).init(jnp.zeros(2))
     >>> isinstance(state, jaxmp.LossScalingState), int(state.skipped_steps)
     (True, 0)
   """
@@ -58,21 +39,6 @@ class LossScalingState(NamedTuple):
   lost_steps: jax.Array
 
 
-def _to_device_state(loss_scale: LossScale) -> LossScale:
-  return jax.tree_util.tree_map(jnp.asarray, loss_scale)
-
-
-def check_grads_match_params(grads: Any, params: Any, owner: str) -> None:
-  """Refuses gradients of another structure than the params (None: no check)."""
-  if params is not None:
-    check_same_structure(
-        grads, params, owner=f"{owner}'s update",
-        names=("the gradients", "the params"),
-        fix="Differentiate with respect to the same params you pass to "
-        "update (e.g. jaxmp.scaled_value_and_grad(loss_fn, loss_scale)"
-        "(params)).")
-
-
 def loss_scaling(
     inner: optax.GradientTransformation,
     loss_scale: LossScale,
@@ -81,143 +47,43 @@ def loss_scaling(
     clip_global_norm: float | None = None,
     guard: bool = True,
 ) -> optax.GradientTransformationExtraArgs:
-  """Wraps an optimizer for loss-scaled training; skips non-finite steps.
+  """Wraps a whole optimizer for loss-scaled training; skips non-finite steps.
 
-  ``update`` receives the gradients of the *scaled* loss (see
-  :func:`jaxmp.scaled_value_and_grad`). It unscales them, checks that they
-  are all finite, runs ``inner`` on the unscaled gradients, and returns the
-  inner updates when finite. When any gradient is inf or nan the step is
-  skipped: the returned updates are ``-0.0`` (so ``optax.apply_updates``
-  leaves every parameter bit-identical, signed zeros included), the inner state
-  (moments, step counts, schedules) is kept bit-identical, and
-  ``skipped_steps`` grows by one. In both cases the loss scale is then adjusted.
-
-  The choice is made with ``jnp.where`` inside the inner update's elementwise
-  pass: no host synchronisation, no ``lax.cond``, no extra copy of the
-  parameters or of the optimizer state. (On a CPU the select is placed inside
-  the inner update, where XLA would otherwise copy the state; on a GPU a plain
-  ``optax.tree.where`` over the new state, which XLA fuses there.
-  ``JAXMP_INPLACE_SELECT=1`` or ``0`` chooses one everywhere.)
-
-  Wrap the whole optimizer (clipping, weight decay and schedules inside), so
-  that clipping sees the unscaled gradients and nothing moves the parameters
-  on a skipped step; :func:`get_loss_scale` warns when it finds the wrapper
-  inside ``optax.chain`` next to other transformations.
+  ``update`` takes the gradients of the *scaled* loss, unscales and checks
+  them, and runs ``inner`` (with ``update``'s extra keyword arguments); on inf
+  or nan the updates are ``-0.0`` and the inner state is kept bit-identical,
+  with no host synchronisation. Details: docs/loss-scaling.md.
 
   Args:
-    inner: the optimizer to wrap. It must not hold a loss-scaling state
-      itself.
-    loss_scale: the initial loss scale (:class:`jaxmp.DynamicLossScale`,
-      :class:`jaxmp.StaticLossScale` or :class:`jaxmp.NoOpLossScale`).
-    axis_name: inside ``pmap`` or ``shard_map``, the axis name (or tuple of
-      names) over which the gradients are split, so that all devices agree on
-      skipping. Not needed under plain ``jit`` with sharded arrays, where the
-      finiteness check is already global.
-    clip_global_norm: if given, the unscaled gradients are clipped to this
-      global norm before ``inner`` runs (as
-      ``optax.chain(optax.clip_by_global_norm(clip_global_norm), inner)``
-      would), and the finiteness flag is taken from the same reduction: the
-      check costs no extra read of the gradients. Use it instead of
-      ``optax.clip_by_global_norm`` inside ``inner``. The norm is summed in
-      float32 and is safe against overflow (see docs/loss-scaling.md).
-    guard: whether to check the gradients and skip non-finite steps (default
-      True). ``guard=False`` is only allowed with a
-      :class:`jaxmp.NoOpLossScale` (bfloat16 or float32 training): the step
-      then runs the inner update unchecked, a nan step included, and costs
-      what the bare optimizer costs.
-
-  Returns:
-    An ``optax.GradientTransformationExtraArgs``; extra keyword arguments of
-    ``update`` are passed through to ``inner``. Its state is a ``NamedTuple``
-    with ``inner_state`` (``inner``'s state, bit-identical after a skipped
-    step), ``loss_scale``, and the int32/bool counters that
-    :func:`loss_scaling_metrics` reads (``skipped_steps``, ``last_finite``,
-    ``recovered_steps``, ``fallback_steps``, ``lost_steps``).
-
-  Raises:
-    TypeError: if ``loss_scale`` is not a loss scale or ``inner`` not an optax
-      transformation, ``clip_global_norm`` not a number or ``guard`` not a
-      bool.
-    ValueError: if ``clip_global_norm`` is not a finite number above 0, or
-      ``guard=False`` with a loss scale other than ``NoOpLossScale``.
-    ValueError: from ``init``, if ``inner``'s state already holds a
-      loss-scaling state (wrapping twice would unscale twice).
+    inner: the bare optimizer (clipping, weight decay, schedules inside).
+    loss_scale: the initial loss scale.
+    axis_name: inside ``shard_map`` or ``pmap``, the axes the gradients are
+      split over, so that every device takes the same skip.
+    clip_global_norm: clip the unscaled gradients to this global norm, in the
+      reduction that checks them.
+    guard: ``False`` (with ``NoOpLossScale`` only) runs ``inner`` unchecked.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, jaxmp
     >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(2.0**10))
     >>> params = {"w": jnp.ones(2)}
-    >>> state = tx.init(params)
-    >>> grads = {"w": jnp.array([jnp.inf, 1.0])}  # an overflow: skipped
-    >>> updates, state = tx.update(grads, state, params)
-    >>> optax.apply_updates(params, updates)["w"]
+    >>> updates, state = tx.update({"w": jnp.array([jnp.inf, 1.0])}, tx.init(params), params)
+    >>> optax.apply_updates(params, updates)["w"]  # skipped
     Array([1., 1.], dtype=float32)
     >>> float(jaxmp.get_loss_scale(state).loss_scale), int(state.skipped_steps)
     (512.0, 1)
   """
-  return wrap_with_loss_scaling(
-      inner, loss_scale, axis_name=axis_name, owner="jaxmp.loss_scaling",
-      clip_global_norm=clip_global_norm, guard=guard,
+  owner = "jaxmp.loss_scaling"
+  wrapped, clip_global_norm, guard, init_fn = checked_wrapper(
+      owner, inner, loss_scale, clip_global_norm, guard,
       nested_fix="Wrap the bare optimizer once: jaxmp.loss_scaling("
       "optax.adamw(1e-3), loss_scale). For gradient accumulation, use "
       "jaxmp.multi_steps(optax.adamw(1e-3), loss_scale, k), which wraps it "
       "for you.")
 
-
-def wrap_with_loss_scaling(
-    inner: optax.GradientTransformation,
-    loss_scale: LossScale,
-    *,
-    axis_name: AxisName | None,
-    owner: str,
-    nested_fix: str,
-    clip_global_norm: float | None = None,
-    guard: bool = True,
-) -> optax.GradientTransformationExtraArgs:
-  """:func:`loss_scaling`, with the errors of an ``owner`` that wraps for you.
-
-  ``nested_fix`` is what the refusal of a wrapped ``inner`` tells the user to
-  do instead (``jaxmp.multi_steps`` names its own composition).
-  """
-  if not isinstance(loss_scale, LossScale):
-    raise TypeError(
-        f"{owner} expects a loss scale such as jaxmp.DynamicLossScale(), "
-        f"jaxmp.StaticLossScale(2.0**15) or jaxmp.NoOpLossScale(); got "
-        f"{loss_scale!r}.{jmp_loss_scale_fix(loss_scale)}"
-    )
-  if not (hasattr(inner, "init") and hasattr(inner, "update")):
-    raise TypeError(
-        f"{owner} expects an optax.GradientTransformation to wrap, e.g. "
-        f"optax.adamw(1e-3); got {inner!r}."
-    )
-  clip_global_norm, guard = check_guard_options(
-      owner, loss_scale, clip_global_norm, guard)
-  inner = optax.with_extra_args_support(inner)
-
-  def init_fn(params):
-    inner_state = inner.init(params)
-    check_no_loss_scaling_state(
-        inner_state, owner=owner, subject="the optimizer it wraps",
-        fix=nested_fix)
-    return LossScalingState(
-        inner_state=inner_state,
-        loss_scale=_to_device_state(loss_scale),
-        skipped_steps=jnp.zeros([], jnp.int32),
-        last_finite=jnp.ones([], jnp.bool_),
-        recovered_steps=jnp.zeros([], jnp.int32),
-        fallback_steps=jnp.zeros([], jnp.int32),
-        lost_steps=jnp.zeros([], jnp.int32),
-    )
-
   def update_fn(updates, state, params=None, **extra_args):
-    if not isinstance(state, LossScalingState):
-      raise TypeError(
-          f"The state passed to the update of {owner} is a "
-          f"{type(state).__name__}, not the LossScalingState its init "
-          "returned. Pass the state returned by tx.init(params)."
-      )
-    _refuse_fp8_meta(updates, owner)
-    check_grads_match_params(updates, params, owner)
+    check_update(owner, state, isinstance(state, LossScalingState), "LossScalingState",
+                 updates, params)
     current = state.loss_scale
     # unscale returns float16/bfloat16 leaves in float32; the check and the
     # inner optimizer see the gradients in their own dtypes.
@@ -225,79 +91,21 @@ def wrap_with_loss_scaling(
         lambda u, g: u.astype(jnp.result_type(g)), current.unscale(updates), updates)
     grads, finite = clip_and_check(unscaled, clip_global_norm)
     if not guard:
-      inner_updates, inner_state = inner.update(
+      inner_updates, inner_state = wrapped.update(
           grads, state.inner_state, params, **extra_args)
       return inner_updates, state._replace(inner_state=inner_state)
     finite = agree_on_finite(finite, axis_name, owner)
     updates, inner_state = step_or_skip(
-        lambda g, s, p: inner.update(g, s, p, **extra_args),
+        lambda g, s, p: wrapped.update(g, s, p, **extra_args),
         finite, grads, state.inner_state, params)
     lost = jnp.logical_not(finite).astype(jnp.int32)
-    new_state = state._replace(
-        inner_state=inner_state,
-        loss_scale=current.adjust(finite),
-        skipped_steps=state.skipped_steps + lost,
-        last_finite=finite,
-        lost_steps=state.lost_steps + lost,
-    )
-    return updates, new_state
+    return updates, state._replace(
+        inner_state=inner_state, loss_scale=current.adjust(finite),
+        skipped_steps=state.skipped_steps + lost, last_finite=finite,
+        lost_steps=state.lost_steps + lost)
 
   return keyed_transformation(init_fn, update_fn, owner, inner, loss_scale,
                               axis_name, clip_global_norm, guard)
-
-
-class _Keyed:
-  """A function that compares and hashes by the arguments it was built from.
-
-  Two transformations built from equal arguments then compare equal, so a
-  pytree that holds one as static data (a TrainState's ``tx``) has the same
-  structure whenever it is built, as Flax's own TrainState has.
-  """
-
-  def __init__(self, fn: Any, key: tuple[Any, ...]):
-    self._fn, self._key = fn, key
-
-  def __call__(self, *args, **kwargs):
-    return self._fn(*args, **kwargs)
-
-  def __eq__(self, other: object) -> bool:
-    return isinstance(other, _Keyed) and self._key == other._key
-
-  def __hash__(self) -> int:
-    return hash(self._key)
-
-
-class _Same:
-  """A key part equal only to one holding the same object."""
-
-  def __init__(self, x: Any):
-    self.x = x
-
-  def __eq__(self, other: object) -> bool:
-    return isinstance(other, _Same) and other.x is self.x
-
-  def __hash__(self) -> int:
-    return id(self.x)
-
-
-def _key_part(x: Any) -> Any:
-  """``x`` as a key part: by its own equality where it holds no tracer and
-  is hashable (a loss scale by its value), else by identity."""
-  try:
-    hash(x)
-  except TypeError:
-    return _Same(x)
-  traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(x))
-  return _Same(x) if traced else x
-
-
-def keyed_transformation(init_fn: Any, update_fn: Any, *key: Any
-                         ) -> optax.GradientTransformationExtraArgs:
-  """``GradientTransformationExtraArgs(init_fn, update_fn)``, equal to any
-  other built from an equal ``key`` (see :class:`_Keyed`)."""
-  key = tuple(_key_part(part) for part in key)
-  return optax.GradientTransformationExtraArgs(
-      _Keyed(init_fn, ("init", *key)), _Keyed(update_fn, ("update", *key)))
 
 
 # Flax keeps the FP8 meta (scales, amax histories) in this collection; its
@@ -305,9 +113,16 @@ def keyed_transformation(init_fn: Any, update_fn: Any, *key: Any
 _FP8_META = "_overwrite_with_gradient"
 
 
-def _refuse_fp8_meta(updates: Any, owner: str) -> None:
-  """Refuses gradients that hold Flax's FP8 meta collection."""
-  if isinstance(updates, dict) and _FP8_META in updates:
+def check_update(owner: str, state: Any, state_ok: bool, expected: str, grads: Any,
+                 params: Any) -> None:
+  """Refuses, in an ``update``, a state not the ``expected`` one ``init`` returned (unless
+  ``state_ok``), gradients holding Flax's FP8 meta, and gradients unlike the params."""
+  if not state_ok:
+    raise TypeError(
+        f"The state passed to the update of {owner} is a {type(state).__name__}, "
+        f"not the {expected} its init returned. Pass the state returned by "
+        "tx.init(params).")
+  if isinstance(grads, dict) and _FP8_META in grads:
     raise ValueError(
         f"{owner}'s update: the gradients hold Flax's FP8 meta collection "
         f"{_FP8_META!r}, whose values are the new scales and amax histories, "
@@ -316,48 +131,28 @@ def _refuse_fp8_meta(updates: Any, owner: str) -> None:
         "apply_gradients keeps the meta out of the optimizer and guards it; "
         "or pass only grads['params'] to update and keep the meta with "
         "jaxmp.keep_on_skip(opt_state, new_meta, old_meta).")
+  if params is not None:
+    check_same_structure(
+        grads, params, owner=f"{owner}'s update", names=("the gradients", "the params"),
+        fix="Differentiate with respect to the same params you pass to update "
+        "(e.g. jaxmp.scaled_value_and_grad(loss_fn, loss_scale)(params)).")
 
 
-def agree_on_finite(finite: jax.Array, axis_name: AxisName | None,
-                    owner: str) -> jax.Array:
-  """The finiteness flag, made one across ``axis_name`` (see agree_across)."""
-  return agree_across(
-      finite, axis_name,
-      f"{owner}(axis_name={axis_name!r}): that axis name is "
-      "not bound where update runs. Call update inside jax.shard_map or "
-      "jax.pmap over that axis, or drop axis_name under plain jax.jit, "
-      "where the finiteness check over sharded arrays is already global.")
+def checked_wrapper(owner: str, inner: Any, loss_scale: Any, clip_global_norm: Any,
+                    guard: Any, nested_fix: str) -> tuple[Any, float | None, bool, Any]:
+  """The checked ``(inner, clip_global_norm, guard)`` of a wrapper, and its ``init``.
 
-
-def step_or_skip(update: Any, applies: jax.Array, grads: Any, inner_state: Any,
-                 params: Any) -> tuple[Any, Any]:
-  """``update(grads, inner_state, params)`` where ``applies``, else a skip.
-
-  Where ``applies`` is false, the updates are ``-0.0`` (the exact identity of
-  ``p + u``, even for ``p = -0.0``) and the state is ``inner_state``,
-  bit-identical. The old state is selected where each new leaf is produced,
-  so that XLA writes it once, in place (see inplace_select.py).
+  ``init`` refuses an ``inner`` already wrapped, saying ``nested_fix``.
   """
-  inner_updates, inner_state = update_or_keep(
-      update, applies, grads, inner_state, params)
-  updates = jax.tree_util.tree_map(
-      lambda u: jnp.where(applies, u, jnp.asarray(-0.0, u.dtype)), inner_updates)
-  return updates, inner_state
-
-
-# The check, and the clipping that shares its reduction.
-
-# A power of two that scales finite float32 values down before squaring, so
-# that their sum of squares overflows only when the global norm exceeds
-# 2**134 (about 2e40, beyond float32's largest value); small values underflow
-# in this sum, which is used only when the plain one overflowed.
-_HUGE_NORM_SCALE = 2.0**-70
-
-
-def check_guard_options(owner: str, loss_scale: LossScale,
-                        clip_global_norm: Any, guard: Any
-                        ) -> tuple[float | None, bool]:
-  """Validates ``clip_global_norm`` and ``guard``; returns them."""
+  if not isinstance(loss_scale, LossScale):
+    raise TypeError(
+        f"{owner} expects a loss scale such as jaxmp.DynamicLossScale(), "
+        f"jaxmp.StaticLossScale(2.0**15) or jaxmp.NoOpLossScale(); got "
+        f"{loss_scale!r}.{jmp_loss_scale_fix(loss_scale)}")
+  if not (hasattr(inner, "init") and hasattr(inner, "update")):
+    raise TypeError(
+        f"{owner} expects an optax.GradientTransformation to wrap, e.g. "
+        f"optax.adamw(1e-3); got {inner!r}.")
   if clip_global_norm is not None:
     clip_global_norm = check_number(
         owner, "clip_global_norm", clip_global_norm, minimum=0.0,
@@ -373,39 +168,101 @@ def check_guard_options(owner: str, loss_scale: LossScale,
         "scales float16 gradients needs the finiteness check to skip their "
         "overflows. Keep guard=True, or train in bfloat16 with "
         "jaxmp.NoOpLossScale().")
-  return clip_global_norm, guard
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    inner_state = inner.init(params)
+    check_no_loss_scaling_state(
+        inner_state, owner=owner, subject="the optimizer it wraps", fix=nested_fix)
+    zero = lambda: jnp.zeros([], jnp.int32)  # distinct buffers, donated apart
+    return LossScalingState(
+        inner_state=inner_state,
+        loss_scale=jax.tree_util.tree_map(jnp.asarray, loss_scale),
+        skipped_steps=zero(), last_finite=jnp.ones([], jnp.bool_),
+        recovered_steps=zero(), fallback_steps=zero(), lost_steps=zero())
+
+  return inner, clip_global_norm, guard, init_fn
 
 
-def _add_pairs(a, b):
-  return a[0] + b[0], a[1] + b[1]
+def _by_value(x: Any) -> bool:  # as a key part: hashable, and no tracer
+  try:
+    hash(x)
+  except TypeError:
+    return False
+  return not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(x))
+
+
+class _Keyed:
+  """A function equal to another built from equal arguments (by identity where
+  not hashable or traced), so a pytree holding it as static data (a
+  TrainState's ``tx``) has one structure however often it is built."""
+
+  def __init__(self, fn: Any, key: tuple[Any, ...]):
+    self._fn, self._key = fn, key
+
+  def __call__(self, *args, **kwargs):
+    return self._fn(*args, **kwargs)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _Keyed) and len(self._key) == len(other._key) and all(
+        a is b or (_by_value(a) and _by_value(b) and a == b)
+        for a, b in zip(self._key, other._key))
+
+  def __hash__(self) -> int:
+    return hash(tuple(part for part in self._key if _by_value(part)))
+
+
+def keyed_transformation(init_fn: Any, update_fn: Any, *key: Any
+                         ) -> optax.GradientTransformationExtraArgs:
+  """The transformation of ``init_fn`` and ``update_fn``, equal to any with an equal ``key``."""
+  return optax.GradientTransformationExtraArgs(
+      _Keyed(init_fn, ("init", *key)), _Keyed(update_fn, ("update", *key)))
+
+
+def agree_on_finite(finite: jax.Array, axis_name: AxisName | None,
+                    owner: str) -> jax.Array:
+  """The flag ``finite``, true only where true on every device of ``axis_name``."""
+  if axis_name is None:
+    return finite
+  try:
+    return jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+  except NameError:
+    raise ValueError(
+        f"{owner}(axis_name={axis_name!r}): that axis name is "
+        "not bound where update runs. Call update inside jax.shard_map or "
+        "jax.pmap over that axis, or drop axis_name under plain jax.jit, "
+        "where the finiteness check over sharded arrays is already global.") from None
+
+
+def step_or_skip(update: Any, applies: jax.Array, grads: Any, inner_state: Any,
+                 params: Any) -> tuple[Any, Any]:
+  """``update(grads, inner_state, params)`` where ``applies``; else updates of
+  ``-0.0`` (``p + u`` is ``p`` bit for bit) and ``inner_state``, selected in place."""
+  inner_updates, inner_state = update_or_keep(
+      update, applies, grads, inner_state, params)
+  updates = jax.tree_util.tree_map(
+      lambda u: jnp.where(applies, u, jnp.asarray(-0.0, u.dtype)), inner_updates)
+  return updates, inner_state
+
+
+# Scales finite float32 values down before squaring: their sum of squares
+# overflows only beyond a global norm of 2**134 (small values underflow).
+_HUGE_NORM_SCALE = 2.0**-70
 
 
 def _sum_once(parts: list[jax.Array]) -> jax.Array:
-  """The sum of scalars, computed once, by an op that XLA does not copy.
-
-  A chain of scalar adds (or a ``jnp.sum`` of them, which XLA splits back
-  into one) is cheap, so XLA copies it into every kernel that reads the
-  result: with one reader per leaf, each kernel then takes every leaf's
-  partial sum, no two are alike, and each is compiled apart. The last
-  element of a cumulative sum (a reduce-window, which XLA does not copy)
-  is the same sum, read by every kernel as one scalar.
-  """
+  """The sum of scalars as the last of a cumulative sum: XLA copies a chain of
+  scalar adds into every kernel reading it (each then compiled apart), not a
+  reduce-window."""
   return jnp.cumsum(jnp.stack(parts))[-1]
 
 
 def global_norm_and_finite(tree: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The global norm of ``tree`` in float32, safe against overflow.
+  """``(scale, scaled_norm, finite)``: the float32 global norm is ``scaled_norm / scale``.
 
-  Returns ``(scale, scaled_norm, finite)``: the global norm is
-  ``scaled_norm / scale``, and ``finite`` is true iff every leaf is finite
-  (the decision of :func:`jaxmp.all_finite`). Both come from one pass over
-  the leaves: each is squared and summed in float32, once as it is and once
-  scaled down by ``2**-70``. Where the plain sum is finite, ``scale`` is 1 and
-  ``scaled_norm`` is exactly ``sqrt`` of it (optax's ``tree.norm`` in float32);
-  where only huge finite values made it overflow, the scaled sum gives the
-  norm. Non-finite leaves make both sums inf or nan. Gradients are called
-  non-finite also when their global norm exceeds ``2**134``, which float32
-  cannot represent.
+  One pass sums the squares as they are (optax's norm, where finite) and
+  scaled by ``2**-70`` (where huge finite values overflowed the first);
+  ``finite`` is :func:`jaxmp.all_finite`'s decision, false beyond ``2**134``.
   """
   plain, scaled = [], []
   zero = jnp.zeros([], jnp.float32)
@@ -417,12 +274,11 @@ def global_norm_and_finite(tree: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
       # One variadic reduction: XLA reads the leaf once for both sums.
       plain_sum, scaled_sum = jax.lax.reduce(
           (jnp.square(part), jnp.square(part * _HUGE_NORM_SCALE)),
-          (zero, zero), _add_pairs, tuple(range(part.ndim)))
+          (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]), tuple(range(part.ndim)))
       plain.append(plain_sum)
       scaled.append(scaled_sum)
   if not plain:
-    one = jnp.ones([], jnp.float32)
-    return one, jnp.zeros([], jnp.float32), jnp.array(True)
+    return jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32), jnp.array(True)
   plain_sum, scaled_sum = _sum_once(plain), _sum_once(scaled)
   use_plain = jnp.isfinite(plain_sum)
   scale = jnp.where(use_plain, 1.0, _HUGE_NORM_SCALE).astype(jnp.float32)
@@ -432,13 +288,7 @@ def global_norm_and_finite(tree: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 def clip_and_check(grads: Any, clip_global_norm: float | None
                    ) -> tuple[Any, jax.Array]:
-  """``(grads, all_finite(grads))``, or the clipped grads and the norm's flag.
-
-  With ``clip_global_norm``, each leaf ``t`` becomes ``t * (max_norm / norm)``
-  where the global norm is at least ``max_norm`` (as
-  ``optax.clip_by_global_norm`` computes it), and the flag comes from the
-  same reduction (:func:`global_norm_and_finite`).
-  """
+  """``(grads, all_finite(grads))``, or clipped as by ``optax.clip_by_global_norm``."""
   if clip_global_norm is None:
     return grads, all_finite(grads)
   scale, scaled_norm, finite = global_norm_and_finite(grads)
@@ -457,28 +307,15 @@ def clip_and_check(grads: Any, clip_global_norm: float | None
   return jax.tree_util.tree_map(clip, grads), finite
 
 
-# Finding the state.
-
-
-def loss_scaling_states_with_path(
-    tree: Any,
-) -> list[tuple[KeyPath, LossScalingState]]:
-  """Every :class:`LossScalingState` in ``tree``, with its path, outermost first.
-
-  Searches with ``optax.tree_utils.tree_get_all_with_path``, so it looks
-  inside ``optax.chain``, ``optax.MultiSteps``, ``optax.inject_hyperparams``,
-  a Flax ``TrainState``, an ``nnx.Optimizer`` and its ``opt_state`` (whose
-  leaves are NNX variables), and any container of those (e.g. a tuple of NNX
-  model and optimizer). A state nested in another is found too. Paths print
-  with ``jax.tree_util.keystr``.
-  """
+def loss_scaling_states_with_path(tree: Any) -> list[tuple[KeyPath, LossScalingState]]:
+  """Every :class:`LossScalingState` in ``tree`` (optax states, a ``TrainState``,
+  NNX objects) with its path, outermost first."""
   return optax.tree_utils.tree_get_all_with_path(
       tree, LossScalingState.__name__,
       filtering=lambda _, value: isinstance(value, LossScalingState))
 
 
-def _find_states(tree: Any) -> list[LossScalingState]:
-  """The loss-scaling states in ``tree``, outermost first (no paths)."""
+def _find_states(tree: Any) -> list[LossScalingState]:  # without their paths
   return [state for _, state in loss_scaling_states_with_path(tree)]
 
 
@@ -488,22 +325,8 @@ def _path_text(path: KeyPath) -> str:
 
 def check_no_loss_scaling_state(state: Any, *, owner: str, subject: str,
                                 fix: str) -> None:
-  """Refuses an optimizer whose state already holds a loss-scaling state.
-
-  Wrapping twice (``loss_scaling(loss_scaling(tx, ls), ls)``, or
-  ``multi_steps(loss_scaling(tx, ls), ls, k)``) would unscale the gradients
-  twice. ``state`` may be a real state or ``jax.eval_shape`` of ``init``.
-
-  Args:
-    state: the optimizer state to inspect.
-    owner: who refuses, e.g. ``"TrainState.create"``; starts the message.
-    subject: what was given, e.g. ``"tx"``.
-    fix: the sentence that names the right composition.
-
-  Raises:
-    ValueError: ``"{owner}: {subject} is already wrapped with
-      jaxmp.loss_scaling ..."``, ending with ``fix``.
-  """
+  """Refuses an optimizer ``state`` (or its ``eval_shape``) holding a loss-scaling
+  state: wrapping twice would unscale twice. ``subject`` is what was given."""
   found = loss_scaling_states_with_path(state)
   if found:
     path = jax.tree_util.keystr(found[0][0])
@@ -512,8 +335,7 @@ def check_no_loss_scaling_state(state: Any, *, owner: str, subject: str,
         f"{owner}: {subject} is already wrapped with jaxmp.loss_scaling (its "
         f"state holds a LossScalingState{where}), so the gradients would be "
         "unscaled twice and get_loss_scale would report only one of the "
-        f"scales. {fix}"
-    )
+        f"scales. {fix}")
 
 
 def _find_state(opt_state: Any, caller: str) -> LossScalingState:
@@ -524,16 +346,14 @@ def _find_state(opt_state: Any, caller: str) -> LossScalingState:
         f"{caller}: no jaxmp.loss_scaling state found in the given optimizer "
         f"state (a {type(opt_state).__name__}). Wrap the optimizer with "
         "jaxmp.loss_scaling(optax.adamw(...), jaxmp.DynamicLossScale()) and pass "
-        "the state its init returned."
-    )
+        "the state its init returned.")
   if len(found) > 1:
     raise ValueError(
         f"{caller}: the optimizer state holds {len(found)} jaxmp.loss_scaling "
         "states (at "
         + ", ".join(_path_text(path) for path, _ in found)
         + "), so the loss scale is ambiguous. Wrap the whole optimizer once "
-        "with jaxmp.loss_scaling instead of wrapping its parts."
-    )
+        "with jaxmp.loss_scaling instead of wrapping its parts.")
   path, state = found[0]
   problem = _placement_problem(opt_state, path)
   if problem is not None:
@@ -547,10 +367,7 @@ def _find_state(opt_state: Any, caller: str) -> LossScalingState:
         "jaxmp.loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), "
         "optax.adamw(1e-3)), loss_scale). (optax.MultiSteps, jaxmp.multi_steps, "
         "optax.inject_hyperparams, nnx.Optimizer and jaxmp.flax.TrainState "
-        "around the wrapper are fine.)",
-        UserWarning,
-        stacklevel=caller_stacklevel(),
-    )
+        "around the wrapper are fine.)", UserWarning, stacklevel=caller_stacklevel())
   return state
 
 
@@ -563,15 +380,11 @@ _ACCEPTED_WRAPPERS = frozenset({
 })
 
 
-def _is_named_tuple(x: Any) -> bool:
-  return isinstance(x, tuple) and hasattr(x, "_fields")
-
-
 def _is_optax_state(x: Any) -> bool:
   """Whether ``x`` is the state of an optax transformation (or of a chain)."""
   if isinstance(x, LossScalingState):
     return True
-  if _is_named_tuple(x):
+  if isinstance(x, tuple) and hasattr(x, "_fields"):  # a named tuple
     return type(x).__module__.split(".")[0] == "optax"
   if type(x) is tuple:  # pylint: disable=unidiomatic-typecheck
     return bool(x) and all(_is_optax_state(y) for y in x)
@@ -579,34 +392,25 @@ def _is_optax_state(x: Any) -> bool:
 
 
 def _placement_problem(tree: Any, path: KeyPath) -> str | None:
-  """Why the state at ``path`` of ``tree`` is not the outermost, or None.
-
-  The wrapper is misplaced inside an optax transformation's state other than
-  the accepted wrappers (``optax.masked``, ``optax.multi_transform``,
-  ``optax.apply_if_finite``, ...), and next to other transformations' states
-  in a plain tuple or dict (``optax.chain``, ``optax.named_chain``). Other
-  containers (a ``TrainState``, an ``nnx.Optimizer``, a user's tuple of model
-  and optimizer) are fine.
-  """
+  """Why the state at ``path`` is misplaced (inside an optax wrapper not accepted,
+  or next to other transformations in a chain), or None."""
   node = tree
   for entry in path:
-    if _is_named_tuple(node):
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
       name = getattr(entry, "name", None)
       kind = type(node).__name__
       if (_is_optax_state(node) and not isinstance(node, LossScalingState)
           and (kind, name) not in _ACCEPTED_WRAPPERS):
         return f"inside the state of an optax wrapper ({kind})"
       node = getattr(node, name)
-    elif type(node) in (tuple, list) and hasattr(entry, "idx"):
-      others = [x for i, x in enumerate(node) if i != entry.idx]
-      if any(_is_optax_state(x) for x in others):
-        return "inside optax.chain, next to other transformations"
-      node = node[entry.idx]
-    elif isinstance(node, dict) and hasattr(entry, "key"):
-      others = [x for k, x in node.items() if k != entry.key]
-      if any(_is_optax_state(x) for x in others):
-        return "inside optax.named_chain, next to other transformations"
-      node = node[entry.key]
+    elif isinstance(node, dict) and hasattr(entry, "key") or (
+        type(node) in (tuple, list) and hasattr(entry, "idx")):
+      named = isinstance(node, dict)
+      chain, here = ("optax.named_chain", entry.key) if named else ("optax.chain", entry.idx)
+      items = node.items() if named else enumerate(node)
+      if any(_is_optax_state(x) for k, x in items if k != here):
+        return f"inside {chain}, next to other transformations"
+      node = node[here]
     elif hasattr(entry, "name"):  # a dataclass field, an NNX attribute
       node = getattr(node, entry.name)
     elif hasattr(entry, "key"):
@@ -616,23 +420,10 @@ def _placement_problem(tree: Any, path: KeyPath) -> str | None:
   return None
 
 
-# Reading the state.
-
-
 def get_loss_scale(opt_state: Any) -> LossScale:
-  """Returns the current loss scale held in an optimizer state.
+  """The current loss scale in an optimizer state, wherever the wrapper's state sits.
 
-  Finds the state of :func:`loss_scaling` anywhere in a nested optax state
-  (``chain``, ``MultiSteps``, ``inject_hyperparams``, an NNX optimizer's
-  state). Works inside ``jit``.
-
-  Warns (``UserWarning``) when the wrapper sits inside ``optax.chain`` next to
-  other transformations, or inside another optax wrapper than ``MultiSteps``
-  or ``inject_hyperparams``: those transformations see the scaled gradients,
-  or act on skipped steps. Wrap the whole optimizer instead.
-
-  Raises:
-    ValueError: if the state holds no (or more than one) loss-scaling state.
+  Warns where the wrapper sits inside ``optax.chain`` or another optax wrapper.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxmp
@@ -645,43 +436,18 @@ def get_loss_scale(opt_state: Any) -> LossScale:
 
 
 def plain_loss_scale(state: LossScalingState) -> LossScale:
-  """The loss scale of ``state`` as plain arrays (an NNX optimizer wraps each
-  leaf of its state in a Variable)."""
+  """The loss scale of ``state`` as plain arrays (not NNX Variables)."""
   return jax.tree_util.tree_map(
       jnp.asarray, state.loss_scale, is_leaf=lambda x: hasattr(x, "__jax_array__"))
 
 
 def loss_scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
-  """Returns scalar arrays describing loss scaling, for logging; jit-safe.
-
-  Keys:
-
-  * ``loss_scale`` (float32): the scale the next step will use;
-  * ``skipped`` (int32): 1 if the last step was skipped, else 0: a per-step
-    figure that loggers may average (the skip rate);
-  * ``skipped_steps`` (int32): the steps skipped so far (cumulative);
-  * ``last_finite`` (bool): whether the last step's gradients were finite;
-  * ``overflows_at_min`` (int32): overflows that found the scale at its
-    minimum (0 for static and no-op scales);
-  * ``steps_since_adjustment`` (int32): the dynamic scale's counter (0 for
-    the others);
-  * ``recovered_steps`` (int32): steps whose batch was recovered inside the
-    step, by a retry or the fallback of :func:`jaxmp.retry_skipped` (0
-    without it), cumulative;
-  * ``fallback_steps`` (int32): those recovered by the fallback, cumulative;
-  * ``lost_steps`` (int32): steps whose batch was lost (non-finite even
-    after recovery, so skipped); without recovery, the skipped steps.
-
-  Warns as :func:`get_loss_scale` does.
-
-  Raises:
-    ValueError: if the state holds no (or more than one) loss-scaling state.
+  """Scalar arrays describing loss scaling, for logging; jit-safe (keys: docs/loss-scaling.md).
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxmp
     >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale())
-    >>> state = tx.init(jnp.ones(2))
-    >>> _, state = tx.update(jnp.array([jnp.nan, 1.0]), state)
+    >>> _, state = tx.update(jnp.array([jnp.nan, 1.0]), tx.init(jnp.ones(2)))
     >>> metrics = jaxmp.loss_scaling_metrics(state)
     >>> int(metrics["skipped"]), int(metrics["skipped_steps"]), float(metrics["loss_scale"])
     (1, 1, 16384.0)
@@ -691,29 +457,16 @@ def loss_scaling_metrics(opt_state: Any) -> dict[str, jax.Array]:
 
 def metrics_of(state: LossScalingState) -> dict[str, jax.Array]:
   """The dict of :func:`loss_scaling_metrics` for one loss-scaling state."""
-  metrics = state.loss_scale.metrics()
   last_finite = jnp.asarray(state.last_finite)
-  metrics["skipped"] = jnp.logical_not(last_finite).astype(jnp.int32)
-  metrics["skipped_steps"] = jnp.asarray(state.skipped_steps)
-  metrics["last_finite"] = last_finite
-  metrics["recovered_steps"] = jnp.asarray(state.recovered_steps)
-  metrics["fallback_steps"] = jnp.asarray(state.fallback_steps)
-  metrics["lost_steps"] = jnp.asarray(state.lost_steps)
-  return metrics
-
-
-# Replacing the loss scale.
+  return {**state.loss_scale.metrics(),
+          "skipped": jnp.logical_not(last_finite).astype(jnp.int32),
+          "skipped_steps": jnp.asarray(state.skipped_steps), "last_finite": last_finite,
+          **{name: jnp.asarray(getattr(state, name))
+             for name in ("recovered_steps", "fallback_steps", "lost_steps")}}
 
 
 def with_loss_scale(tree: Any, loss_scale: LossScale) -> Any:
-  """``tree`` with the loss scale of its loss-scaling state replaced.
-
-  ``tree`` is any pytree holding a :class:`LossScalingState`: an optimizer
-  state, ``(params, opt_state)``, a ``TrainState``, an ``nnx.Optimizer``'s
-  ``opt_state``. Every other leaf is the same object: the inner state
-  (moments, counts, schedules) and the counters (``skipped_steps``) are kept
-  bit-identical.
-  """
+  """``tree`` with the loss scale of its loss-scaling state replaced; every other leaf kept."""
   is_state = lambda x: isinstance(x, LossScalingState)
   return jax.tree_util.tree_map(
       lambda x: x._replace(loss_scale=loss_scale) if is_state(x) else x,
@@ -723,15 +476,71 @@ def with_loss_scale(tree: Any, loss_scale: LossScale) -> Any:
 def with_initial_loss_scale(
     tx: optax.GradientTransformation, loss_scale: LossScale
 ) -> optax.GradientTransformationExtraArgs:
-  """``tx`` (built on :func:`loss_scaling`) starting from ``loss_scale``.
-
-  ``update`` is ``tx``'s own: the wrapper reads the loss scale from the state
-  it is given. ``init`` returns the state ``tx.init`` returns with
-  ``loss_scale`` in it, so that a state built afresh from the switched
-  optimizer has the structure of the switched state.
-  """
-  device_scale = _to_device_state(loss_scale)
+  """``tx`` (built on :func:`loss_scaling`), whose ``init`` starts from ``loss_scale``."""
+  device_scale = jax.tree_util.tree_map(jnp.asarray, loss_scale)
   return keyed_transformation(
       lambda params: with_loss_scale(tx.init(params), device_scale),
       optax.with_extra_args_support(tx).update, "with_initial_loss_scale",
       tx, loss_scale)
+
+
+def keep_on_skip(opt_state: Any, new: Any, old: Any) -> Any:
+  """``new`` where the last update was applied, ``old`` (bit-identical) where it was skipped.
+
+  The one guard of state the optimizer does not own (BatchNorm statistics,
+  EMA params, FP8 meta, NNX variables), on the flag of the loss-scaling state
+  in ``opt_state``; under accumulation, this micro-batch's
+  ``skip_state["should_skip"]`` (a plain ``optax.MultiSteps`` is refused).
+  ``new`` is cast to ``old``'s dtypes; for NNX, ``old`` is a copy (docs/nnx.md).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, jaxmp
+    >>> tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale())
+    >>> _, opt_state = tx.update(jnp.array([jnp.inf, 0.0]), tx.init(jnp.ones(2)))
+    >>> jaxmp.keep_on_skip(opt_state, {"mean": jnp.full(2, jnp.inf)}, {"mean": jnp.zeros(2)})
+    {'mean': Array([0., 0.], dtype=float32)}
+  """
+  applied = jnp.asarray(_find_state(opt_state, "jaxmp.keep_on_skip").last_finite)
+  [(path, _)] = loss_scaling_states_with_path(opt_state)
+  for outer, state in optax.tree_utils.tree_get_all_with_path(
+      opt_state, optax.MultiStepsState.__name__,
+      filtering=lambda _, x: isinstance(x, optax.MultiStepsState)):
+    if path[:len(outer)] != outer:  # not around the loss-scaling state
+      continue
+    skip = state.skip_state
+    if not (isinstance(skip, dict) and "should_skip" in skip
+            and set(skip) <= {"should_skip", "num_not_finite"}):
+      raise ValueError(
+          "jaxmp.keep_on_skip: the loss-scaling state sits inside "
+          "optax.MultiSteps, whose state does not record whether this "
+          f"micro-batch's gradients were finite (its skip_state is {skip!r}); "
+          "the flag of the last completed step would write the values of a "
+          "nan micro-batch. Use jaxmp.multi_steps(optax.adamw(1e-3), "
+          "loss_scale, k), which records it, or optax.MultiSteps(..., "
+          "should_skip_update_fn=optax.skip_not_finite).")
+    applied = ~jnp.asarray(skip["should_skip"])  # this micro-batch's
+  # nnx.state(model) taken before the step holds the model's own Variables,
+  # which the step updated in place: nothing would be kept.
+  is_variable = lambda x: hasattr(x, "get_value") and hasattr(x, "set_value")
+  if any(is_variable(a) and a is b for a, b in zip(
+      jax.tree_util.tree_leaves(new, is_leaf=is_variable),
+      jax.tree_util.tree_leaves(old, is_leaf=is_variable))):
+    raise ValueError(
+        "jaxmp.keep_on_skip: the old value holds the model's own NNX "
+        "variables, which the step has updated in place, so it already holds "
+        "the new values and nothing would be kept. Take a copy before the "
+        "step: old = jax.tree.map(lambda x: x, nnx.state(model, nnx.BatchStat)).")
+  check_same_structure(
+      new, old, owner="jaxmp.keep_on_skip",
+      names=("the new value", "the old value"),
+      fix="A skipped step keeps the old value, so the new one must have its "
+      "structure and shapes: pass the updated collection itself (e.g. "
+      "updates['batch_stats'], not the dict that holds it).")
+
+  def select(new_leaf, old_leaf):
+    new_leaf, old_leaf = jnp.asarray(new_leaf), jnp.asarray(old_leaf)
+    if new_leaf.dtype != old_leaf.dtype:  # (a typed PRNG key has no astype)
+      new_leaf = new_leaf.astype(old_leaf.dtype)
+    return jnp.where(applied, new_leaf, old_leaf)
+
+  return jax.tree_util.tree_map(select, new, old)

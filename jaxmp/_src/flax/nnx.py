@@ -1,16 +1,5 @@
-"""The NNX adapters: what the one mechanism of each capability needs for NNX.
-
-NNX objects are updated in place, so a function over them is run on a copy
-merged from their split state, and what it updated is written back. The core
-modules reach these adapters inside a function, when their arguments hold NNX
-objects (``_src/frameworks.py``):
-
-* :func:`with_fp8_meta` for :func:`jaxmp.scaled_value_and_grad`: the FP8 meta
-  of an NNX model (:class:`jaxmp.flax.Fp8Meta`) is differentiated with the
-  params, and written back;
-* :func:`on_a_copy` for :func:`jaxmp.autocast`;
-* :func:`split_for_loop` for :func:`jaxmp.retry_skipped`.
-"""
+"""The NNX adapters the core modules reach inside a function when their arguments hold NNX objects:
+a function over them runs on a copy merged from their split state, its updates written back."""
 
 from __future__ import annotations
 
@@ -20,45 +9,35 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from jaxmp._src.flax.fp8 import (
     in_step_units, keep_meta_of_ops_that_did_not_run, skip_unless_meta_finite)
 from jaxmp._src.flax.fp8 import Fp8Meta
 from jaxmp._src.loss_scale import all_finite
-from jaxmp._src.value_and_grad import scale_then_differentiate
-
-_CALLER = "scaled_value_and_grad"
 
 
 def with_fp8_meta(grad_fn: Callable[..., Any], fun: Callable[..., Any],
-                  loss_scale: Any, argnums: Any, has_aux: bool
+                  loss_scale: Any, argnums: Any, differentiate: Callable[..., Any]
                   ) -> Callable[..., Any]:
-  """``grad_fn``, or for arguments holding FP8 meta, the FP8 value-and-grad.
+  """``grad_fn``, or where the arguments hold FP8 meta, that meta differentiated too.
 
-  The FP8 meta of the arguments (:class:`jaxmp.flax.Fp8Meta` variables) is
-  differentiated too, as an extra leading argument: inside, it is put into
-  the model in the step's units (:func:`in_step_units`), and its cotangents
-  are its new values, back in unscaled units (Flax's "overwrite with
-  gradient"). The param gradients are made nan where the new meta is not
-  finite (the optimizer then skips the step), and the new meta is written
-  into the model where it is finite. Guard it with :func:`jaxmp.keep_on_skip`
-  after the optimizer's update, as any state the optimizer does not own, so
-  that a skipped step leaves it bit-identical.
+  The meta is an extra leading argument, in the step's units; its cotangents
+  are its new values. The gradients are nan where the new meta is not finite,
+  and it is written back where it is. ``differentiate(value_and_grad, fun,
+  argnums=...)`` is ``scale_then_differentiate`` with the loss scale bound.
   """
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-
-  if isinstance(argnums, int) or isinstance(argnums, nnx.DiffState):
-    with_meta, single = (0, _shifted(argnums)), True
-  else:
-    with_meta, single = (0, *(_shifted(a) for a in argnums)), False
+  # Each argnum (an int or an nnx.DiffState) one position later.
+  shifted = lambda a: (nnx.DiffState(a.argnum + 1, a.filter) if isinstance(a, nnx.DiffState)
+                       else a + 1 if a >= 0 else a)
+  single = isinstance(argnums, (int, nnx.DiffState))
+  with_meta = (0, *map(shifted, [argnums] if single else argnums))
 
   def fun_with_meta(stored_meta, *args, **kwargs):
     nnx.update((args, kwargs), in_step_units(stored_meta, loss_scale.loss_scale))
     return fun(*args, **kwargs)
 
-  meta_grad_fn = scale_then_differentiate(
-      nnx.value_and_grad, fun_with_meta, loss_scale, argnums=with_meta,
-      has_aux=has_aux, caller=_CALLER, state_hint="")
+  meta_grad_fn = differentiate(nnx.value_and_grad, fun_with_meta, argnums=with_meta)
 
   def value_and_grad_fn(*args, **kwargs):
     meta = nnx.state((args, kwargs), Fp8Meta)
@@ -76,27 +55,9 @@ def with_fp8_meta(grad_fn: Callable[..., Any], fun: Callable[..., Any],
   return value_and_grad_fn
 
 
-def _shifted(argnum: Any) -> Any:
-  """``argnum`` (an int or an ``nnx.DiffState``) one position later."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-
-  if isinstance(argnum, nnx.DiffState):
-    return nnx.DiffState(argnum.argnum + 1, argnum.filter)
-  return argnum + 1 if argnum >= 0 else argnum
-
-
 def on_a_copy(fn: Callable[..., Any], evaluate: Callable[..., Any]) -> Callable[..., Any]:
-  """``fn`` over NNX objects, run by ``evaluate`` on a copy, written back.
-
-  ``evaluate(pure_fn)`` returns a function of ``pure_fn``'s arguments (for
-  :func:`jaxmp.autocast`, one that traces and evaluates it again), where
-  ``pure_fn(graphdef, state) -> (out, variables)`` merges a copy of the
-  objects, runs ``fn`` and returns what it computed and the variables it
-  left. The objects' in-place updates (BatchNorm statistics, RNG counts) are
-  then written back to the caller's objects.
-  """
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-
+  """``fn`` over NNX objects, run by ``evaluate(pure_fn)`` on a copy, its updates
+  written back; ``pure_fn(graphdef, state) -> (out, variables)`` (for autocast)."""
   def pure_fn(graphdef, state):
     args, kwargs = nnx.merge(graphdef, state, copy=True)
     out = fn(*args, **kwargs)
@@ -121,17 +82,8 @@ def on_a_copy(fn: Callable[..., Any], evaluate: Callable[..., Any]) -> Callable[
 
 
 def split_for_loop(objects: Any) -> tuple[Any, Callable[..., Any], Callable[[Any], Any]]:
-  """NNX objects as arrays that a ``lax.while_loop`` can carry.
-
-  Returns ``(state, as_pure_step, write_back)``: the ``nnx.State`` of
-  ``objects``; ``as_pure_step(step)``, which turns ``step(objects) ->
-  (objects, aux)`` into a function of that state, merging fresh objects for
-  each call (a loop body owns its Variables); and ``write_back(state)``, which
-  updates the caller's objects in place and returns them. Used by
-  :func:`jaxmp.retry_skipped`.
-  """
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-
+  """``(state, as_pure_step, write_back)``: NNX objects as arrays a loop carries; the
+  pure step merges fresh objects for each call (for :func:`jaxmp.retry_skipped`)."""
   graphdef, state = nnx.split(objects)
 
   def as_pure_step(step):

@@ -23,11 +23,10 @@ from jaxmp._src.flax.module_policy import ModulePolicy, runs_fp8, set_model_poli
 from jaxmp._src.inplace_select import check_same_structure
 from jaxmp._src.loss_scale import LossScale
 from jaxmp._src.loss_scaling import (
-    check_no_loss_scaling_state, get_loss_scale, loss_scaling, loss_scaling_metrics,
-    with_initial_loss_scale, with_loss_scale)
+    check_no_loss_scaling_state, get_loss_scale, keep_on_skip, loss_scaling,
+    loss_scaling_metrics, with_initial_loss_scale, with_loss_scale)
 from jaxmp._src.precision_audit import warn_on_first_trace
 from jaxmp._src.policy import Fp8Policy, as_policy, default_loss_scale
-from jaxmp._src.recovery import keep_on_skip
 from jaxmp._src.validation import check_bool, jmp_loss_scale_fix, listing
 from jaxmp._src.value_and_grad import scale_then_differentiate
 
