@@ -14,9 +14,14 @@ And two helpers for the tests that use the benchmarks: ``benchmark(name)``
 imports ``benchmarks/<name>.py``, and ``DEFAULT_CODEGEN`` is the benchmarks'
 compiler options for XLA's default code generator, which a test passes where
 it asserts the compiler's figures (see conftest.py).
+
+For the tests against the recordings of PyTorch and DeepSpeed: ``recorder()``
+is ``tests/data/make_oracle_fixtures.py``, and ``trajectories`` runs a loss
+scale over overflow sequences.
 """
 
-import importlib
+import functools
+import importlib.util
 import pathlib
 import sys
 
@@ -41,6 +46,32 @@ def benchmark(name):
 
 
 DEFAULT_CODEGEN = benchmark("overhead").DEFAULT_CODEGEN
+
+
+@functools.cache
+def recorder():
+  """``tests/data/make_oracle_fixtures.py``, the recorder of the oracles' fixtures."""
+  spec = importlib.util.spec_from_file_location(
+      "make_oracle_fixtures", pathlib.Path(__file__).parent / "data" / "make_oracle_fixtures.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _trajectories(loss_scale, finite, fields):
+  def step(ls, ok):
+    ls = ls.adjust(ok)
+    return ls, tuple(getattr(ls, field) for field in fields)
+  return jax.vmap(lambda row: jax.lax.scan(step, loss_scale, row)[1])(finite)
+
+
+def trajectories(loss_scale, overflows, *fields):
+  """``fields`` of ``loss_scale`` after each step, ``[sequence, step]``, adjusted
+  by overflow sequences (strings of 0/1, the recordings' form). Compiles once
+  per configuration (the static configuration is the pytree structure)."""
+  finite = np.array([[c == "0" for c in s] for s in overflows])
+  return [np.asarray(x) for x in _trajectories(loss_scale, finite, fields)]
 
 
 # ---------------------------------------------------------------------------
