@@ -15,9 +15,10 @@ imports ``benchmarks/<name>.py``, and ``DEFAULT_CODEGEN`` is the benchmarks'
 compiler options for XLA's default code generator, which a test passes where
 it asserts the compiler's figures (see conftest.py).
 
-For the tests against the recordings of PyTorch and DeepSpeed: ``recorder()``
-is ``tests/data/make_oracle_fixtures.py``, and ``trajectories`` runs a loss
-scale over overflow sequences.
+For the tests of the migration from PyTorch and DeepSpeed: ``recorder()`` is
+``tests/data/make_oracle_fixtures.py``, ``trajectories`` runs a loss scale over
+overflow sequences, and ``BLOG_CONFIG`` is a DeepSpeed config as blog posts
+write it (comments, trailing commas).
 """
 
 import functools
@@ -46,6 +47,25 @@ def benchmark(name):
 
 
 DEFAULT_CODEGEN = benchmark("overhead").DEFAULT_CODEGEN
+
+BLOG_CONFIG = """\
+{
+  // Mixed precision: fp16 with dynamic loss scaling.
+  "fp16": {
+    "enabled": true,
+    "loss_scale": 0,            // 0 means dynamic
+    "loss_scale_window": 1000,  // grow after 1000 clean steps
+    "initial_scale_power": 16,  // start at 2**16 = 65536
+    "hysteresis": 2,            /* tolerate one overflow before backing off */
+    "min_loss_scale": 1e-5,
+  },
+  "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8}},
+  "gradient_clipping": 1.0,
+  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+  "wandb": {"project": "https://example.org//not-a-comment", /* multi
+            line */ "note": "x /* y */ \\" // w,}", "tags": [1, 2,], "d": ",]"},
+}
+"""
 
 
 @functools.cache

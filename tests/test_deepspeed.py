@@ -21,30 +21,11 @@ from hypothesis import strategies as st
 import jaxmp
 from jaxmp._src.deepspeed import (
   BF16_KEYS, DEEPSPEED_FP16_DEFAULTS, FP16_KEYS, load_deepspeed_config)
-from models import recorder, trajectories
+from models import BLOG_CONFIG, recorder, trajectories
 
 DATA = pathlib.Path(__file__).resolve().parent / "data"
 FIXTURE = json.loads((DATA / "deepspeed.json").read_text(encoding="utf-8"))
 FIELDS = ("loss_scale", "hysteresis_left", "overflows_at_min")
-
-BLOG_CONFIG = """\
-{
-  // Mixed precision: fp16 with dynamic loss scaling.
-  "fp16": {
-    "enabled": true,
-    "loss_scale": 0,            // 0 means dynamic
-    "loss_scale_window": 1000,  // grow after 1000 clean steps
-    "initial_scale_power": 16,  // start at 2**16 = 65536
-    "hysteresis": 2,            /* tolerate one overflow before backing off */
-    "min_loss_scale": 1e-5,
-  },
-  "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8}},
-  "gradient_clipping": 1.0,
-  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-  "wandb": {"project": "https://example.org//not-a-comment", /* multi
-            line */ "note": "x /* y */ \\" // w,}", "tags": [1, 2,], "d": ",]"},
-}
-"""
 
 
 def _same_reading(config, expected):
@@ -111,6 +92,7 @@ def test_jaxmp_knows_the_recorded_deepspeed_s_fp16_and_bf16_keys_and_defaults():
   assert set(FIXTURE["versions"]) >= {"deepspeed", "pydantic", "python", "numpy"}
   assert len(FIXTURE["probes"]) >= 30 and len(FIXTURE["scaler_runs"]) >= 40
   assert FIXTURE["extra_keys"] == "forbid"  # DeepSpeed refuses other keys
+  assert FIXTURE["gradient_clipping_default"] == 1.0  # test_cli.py: what convert prints
   assert set(FP16_KEYS) == set(FIXTURE["fp16_keys"])
   assert set(BF16_KEYS) == set(FIXTURE["bf16_keys"])
   assert DEEPSPEED_FP16_DEFAULTS == {k: FIXTURE["fp16_keys"][k] for k in DEEPSPEED_FP16_DEFAULTS}
