@@ -18,11 +18,9 @@ from models import DEFAULT_CODEGEN, benchmark, init_mlp, mlp
 
 pytestmark = pytest.mark.integration
 
-VARIANTS = ["unguarded", "jaxmp", "jmp manual", "optax.apply_if_finite",
-            "flax DynamicScale"]
-TINY = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "16",
-        "--batch-size", "4", "--rounds", "1", "--steps-per-round", "1",
-        "--warmup-steps", "1", "--compile-repeats", "0"]
+VARIANTS = ["unguarded", "jaxmp", "jmp manual", "optax.apply_if_finite", "flax DynamicScale"]
+TINY = ("--d-model 32 --layers 1 --heads 2 --seq-len 16 --batch-size 4 --rounds 1 "
+        "--steps-per-round 1 --warmup-steps 1 --compile-repeats 0").split()
 
 
 def _main(name, args, tmp_path_factory):
@@ -92,11 +90,11 @@ def test_the_gpu_benchmark_measures_every_model_and_precision(tmp_path_factory):
     assert list(guard["rows"]) == [*VARIANTS, "jaxmp, CPU forms"]
     assert all(row["time_ratio_vs_unguarded"] > 0 for row in guard["rows"].values())
     profiles = {**guard["profile"], **precision["profile"]}
-    assert min(profiles["jaxmp"]["us_per_step"]["finiteness check"],
-               profiles["jaxmp"]["select_us_per_step"]) > 0
     assert "finiteness check" not in profiles["unguarded"]["us_per_step"]
-    assert profiles["mixed_fp8"]["us_per_step"]["FP8 quantize/amax"] > 0
-    assert all(profile["us_per_step"]["GEMMs"] > 0 for profile in profiles.values())
+    assert min(profiles["jaxmp"]["us_per_step"]["finiteness check"],
+               profiles["jaxmp"]["select_us_per_step"],
+               profiles["mixed_fp8"]["us_per_step"]["FP8 quantize/amax"],
+               *(profile["us_per_step"]["GEMMs"] for profile in profiles.values())) > 0
   assert table.startswith("Run: `make bench-gpu`") and "Targets (gpt2-124m): " in table
 
 
