@@ -14,9 +14,15 @@ And two helpers for the tests that use the benchmarks: ``benchmark(name)``
 imports ``benchmarks/<name>.py``, and ``DEFAULT_CODEGEN`` is the benchmarks'
 compiler options for XLA's default code generator, which a test passes where
 it asserts the compiler's figures (see conftest.py).
+
+For the tests of the migration from PyTorch and DeepSpeed: ``recorder()`` is
+``tests/data/make_oracle_fixtures.py``, ``trajectories`` runs a loss scale over
+overflow sequences, and ``BLOG_CONFIG`` is a DeepSpeed config as blog posts
+write it (comments, trailing commas).
 """
 
-import importlib
+import functools
+import importlib.util
 import pathlib
 import sys
 
@@ -41,6 +47,51 @@ def benchmark(name):
 
 
 DEFAULT_CODEGEN = benchmark("overhead").DEFAULT_CODEGEN
+
+BLOG_CONFIG = """\
+{
+  // Mixed precision: fp16 with dynamic loss scaling.
+  "fp16": {
+    "enabled": true,
+    "loss_scale": 0,            // 0 means dynamic
+    "loss_scale_window": 1000,  // grow after 1000 clean steps
+    "initial_scale_power": 16,  // start at 2**16 = 65536
+    "hysteresis": 2,            /* tolerate one overflow before backing off */
+    "min_loss_scale": 1e-5,
+  },
+  "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8}},
+  "gradient_clipping": 1.0,
+  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+  "wandb": {"project": "https://example.org//not-a-comment", /* multi
+            line */ "note": "x /* y */ \\" // w,}", "tags": [1, 2,], "d": ",]"},
+}
+"""
+
+
+@functools.cache
+def recorder():
+  """``tests/data/make_oracle_fixtures.py``, the recorder of the oracles' fixtures."""
+  spec = importlib.util.spec_from_file_location(
+      "make_oracle_fixtures", pathlib.Path(__file__).parent / "data" / "make_oracle_fixtures.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _trajectories(loss_scale, finite, fields):
+  def step(ls, ok):
+    ls = ls.adjust(ok)
+    return ls, tuple(getattr(ls, field) for field in fields)
+  return jax.vmap(lambda row: jax.lax.scan(step, loss_scale, row)[1])(finite)
+
+
+def trajectories(loss_scale, overflows, *fields):
+  """``fields`` of ``loss_scale`` after each step, ``[sequence, step]``, adjusted
+  by overflow sequences (strings of 0/1, the recordings' form). Compiles once
+  per configuration (the static configuration is the pytree structure)."""
+  finite = np.array([[c == "0" for c in s] for s in overflows])
+  return [np.asarray(x) for x in _trajectories(loss_scale, finite, fields)]
 
 
 # ---------------------------------------------------------------------------

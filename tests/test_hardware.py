@@ -16,19 +16,16 @@ class FakeDevice:
   compute_capability: str | None = None
 
 
-@pytest.mark.parametrize(
-    "device, expected",
-    [
-        (FakeDevice("tpu", "TPU v5 lite"), "p=f32,c=bf16,o=f32"),
-        (FakeDevice("gpu", "NVIDIA H100", "9.0"), "p=f32,c=bf16,o=f32"),
-        (FakeDevice("gpu", "NVIDIA A100", "8.0"), "p=f32,c=bf16,o=f32"),
-        (FakeDevice("cuda", "NVIDIA A10", "8.6"), "p=f32,c=bf16,o=f32"),
-        (FakeDevice("gpu", "Tesla V100", "7.0"), "p=f32,c=f16,o=f32"),
-        (FakeDevice("gpu", "Tesla T4", "7.5"), "p=f32,c=f16,o=f32"),
-        (FakeDevice("rocm", "AMD Instinct MI250X"), "p=f32,c=bf16,o=f32"),
-        (FakeDevice("cpu", "cpu"), "p=f32,c=f32,o=f32"),
-    ],
-)
+@pytest.mark.parametrize("device, expected", [
+    (FakeDevice("tpu", "TPU v5 lite"), "p=f32,c=bf16,o=f32"),
+    (FakeDevice("gpu", "NVIDIA H100", "9.0"), "p=f32,c=bf16,o=f32"),
+    (FakeDevice("gpu", "NVIDIA A100", "8.0"), "p=f32,c=bf16,o=f32"),
+    (FakeDevice("cuda", "NVIDIA A10", "8.6"), "p=f32,c=bf16,o=f32"),
+    (FakeDevice("gpu", "Tesla V100", "7.0"), "p=f32,c=f16,o=f32"),
+    (FakeDevice("gpu", "Tesla T4", "7.5"), "p=f32,c=f16,o=f32"),
+    (FakeDevice("rocm", "AMD Instinct MI250X"), "p=f32,c=bf16,o=f32"),
+    (FakeDevice("cpu", "cpu"), "p=f32,c=f32,o=f32"),
+])
 def test_auto_policy_by_hardware(device, expected):
   policy = jaxmp.auto_policy(device)
   assert str(policy) == expected
@@ -36,23 +33,20 @@ def test_auto_policy_by_hardware(device, expected):
 
 
 def test_hardware_report_and_auto_policy_describe_the_first_device():
-  report = jaxmp.hardware_report()
-  devices = jax.devices()
+  report, devices = jaxmp.hardware_report(), jax.devices()
   assert jaxmp.auto_policy() == jaxmp.auto_policy(devices[0]) == jaxmp.get_policy("auto")
-  assert report.platform == devices[0].platform
-  assert report.device_count == len(devices)
-  assert report.process_count == jax.process_count()
-  assert report.device_kinds == tuple(sorted({d.device_kind for d in devices}))
+  assert (report.platform, report.device_count, report.process_count, report.device_kinds) == (
+      devices[0].platform, len(devices), jax.process_count(),
+      tuple(sorted({d.device_kind for d in devices})))
   assert jaxmp.get_policy(report.recommended_policy) == jaxmp.auto_policy()
-  needs_scaling = jaxmp.auto_policy().needs_loss_scaling
   assert report.recommended_loss_scale == (
-      "DynamicLossScale()" if needs_scaling else "NoOpLossScale()")
+      "DynamicLossScale()" if jaxmp.auto_policy().needs_loss_scaling else "NoOpLossScale()")
   as_dict = json.loads(json.dumps(report.as_dict()))
-  assert as_dict["device_kinds"] == list(report.device_kinds)
-  assert as_dict["recommended_policy"] == report.recommended_policy
+  assert (as_dict["device_kinds"], as_dict["recommended_policy"]) == (
+      list(report.device_kinds), report.recommended_policy)
   if report.platform == "cpu":  # XLA:CPU emulates 16- and 8-bit floats
     assert not (report.native_bfloat16 or report.native_float16 or report.native_float8)
   lines = {line.split("  ")[1].strip(): line.rsplit(" ", 1)[1]
            for line in str(report).splitlines()[1:]}
-  assert lines["native bfloat16"] == ("yes" if report.native_bfloat16 else "no")
-  assert lines["recommended policy"] == report.recommended_policy
+  assert (lines["native bfloat16"], lines["recommended policy"]) == (
+      "yes" if report.native_bfloat16 else "no", report.recommended_policy)

@@ -1,20 +1,14 @@
 """jmp's own test suite, run against jaxmp: the drop-in promise, tested.
 
-The jmp wheel ships its tests (``jmp/_src/policy_test.py`` and
-``jmp/_src/loss_scale_test.py``). This module reads them from the installed
-jmp at test time, changes only their import line so that ``jmp`` is jaxmp
-(``import jaxmp as jmp``), and exposes their ``TestCase`` classes, whose
-methods pytest collects as test cases. Nothing of jmp's code is copied here.
-
-* Tests that use a name of jmp's private modules that jmp does not export (so
-  no user code can rely on it) are skipped, with the reason (``PRIVATE``).
-* Tests that fail today are marked ``xfail(strict=True)`` with the reason
-  (``KNOWN_FAILURES``): when the defect is fixed the test passes, the strict
-  mark turns that into a failure, and the entry is removed from the table.
-* They run under standard dtype promotion, as jmp's users do: jmp's
-  ``test_cast_to_half`` compares a float16 array with a float32 one.
-* The whole module is skipped when jmp is not installed (the test extra
-  installs it).
+The jmp wheel ships its tests (``jmp/_src/policy_test.py``, ``loss_scale_test.py``).
+This module reads them from the installed jmp, changes only their import line
+(``import jaxmp as jmp``) and exposes their ``TestCase`` classes to pytest; nothing
+of jmp's code is copied here. Tests that read a name jmp does not export are
+skipped (``PRIVATE``); tests that fail on purpose are ``xfail(strict=True)``
+(``KNOWN_FAILURES``: a fixed one fails, and leaves the table). They run under
+standard promotion, as jmp's users do (jmp's ``test_cast_to_half`` compares a
+float16 array with a float32 one). Without jmp (the test extra installs it) the
+module is skipped.
 """
 
 from __future__ import annotations
@@ -49,13 +43,8 @@ SUITES = {
 REPLACEMENT = "import jaxmp as jmp"
 
 # Tests that reach past jmp's public names: "Class.method" -> reason.
-PRIVATE = {
-    "PolicyTest.test_str0": "reads jmp._src.policy.dtype_to_names, which jmp does not export",
-    "PolicyTest.test_str1": "reads jmp._src.policy.dtype_to_names, which jmp does not export",
-    "PolicyTest.test_str2": "reads jmp._src.policy.dtype_to_names, which jmp does not export",
-    "PolicyTest.test_str3": "reads jmp._src.policy.dtype_to_names, which jmp does not export",
-    "PolicyTest.test_str4": "reads jmp._src.policy.dtype_to_names, which jmp does not export",
-}
+PRIVATE = dict.fromkeys([f"PolicyTest.test_str{i}" for i in range(5)],
+                        "reads jmp._src.policy.dtype_to_names, which jmp does not export")
 
 # The tests that fail on purpose (documented in docs/migration-jmp.md):
 # "Class.method" -> the difference (one line).
@@ -72,8 +61,7 @@ KNOWN_FAILURES = {
 def _load(filename: str, import_line: str) -> types.ModuleType:
   """jmp's test file ``filename``, executed with jaxmp in place of jmp."""
   path = JMP_DIR / "_src" / filename
-  source = path.read_text(encoding="utf-8")
-  lines = source.splitlines(keepends=True)
+  lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
   found = [i for i, line in enumerate(lines) if line.strip() == import_line]
   if len(found) != 1:
     raise RuntimeError(
@@ -82,10 +70,8 @@ def _load(filename: str, import_line: str) -> types.ModuleType:
         "SUITES in tests/test_jmp_suite.py")
   indent = lines[found[0]][: len(lines[found[0]]) - len(lines[found[0]].lstrip())]
   lines[found[0]] = f"{indent}{REPLACEMENT}\n"  # the line count stays the same
-  name = f"jmp_suite_{path.stem}"
-  module = types.ModuleType(name)
+  module = sys.modules[f"jmp_suite_{path.stem}"] = types.ModuleType(f"jmp_suite_{path.stem}")
   module.__file__ = str(path)
-  sys.modules[name] = module
   # Compiled with jmp's path, so that tracebacks point into jmp's file.
   exec(compile("".join(lines), str(path), "exec"), module.__dict__)  # pylint: disable=exec-used
   return module
@@ -100,18 +86,12 @@ def _test_cases(module: types.ModuleType) -> list[type[unittest.TestCase]]:
 def _mark(cls: type[unittest.TestCase], seen: set[str]) -> None:
   """Applies the PRIVATE skips and the KNOWN_FAILURES xfails to ``cls``."""
   for attribute in dir(cls):
-    if not attribute.startswith("test"):
-      continue
     key = f"{cls.__name__}.{attribute}"
-    method = getattr(cls, attribute)
-    if key in PRIVATE:
-      method = pytest.mark.skip(reason=PRIVATE[key])(method)
-    elif key in KNOWN_FAILURES:
-      method = pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[key])(method)
-    else:
-      continue
-    setattr(cls, attribute, method)
-    seen.add(key)
+    if key in PRIVATE or key in KNOWN_FAILURES:
+      mark = (pytest.mark.skip(reason=PRIVATE[key]) if key in PRIVATE
+              else pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[key]))
+      setattr(cls, attribute, mark(getattr(cls, attribute)))
+      seen.add(key)
 
 
 _MARKED: set[str] = set()

@@ -1,5 +1,6 @@
 """Tests of jaxmp.LossScaleMonitor on scripted sequences."""
 
+import pathlib
 import warnings
 
 import jax
@@ -11,25 +12,15 @@ import pytest
 import jaxmp
 
 
-def _metrics(scale, skipped, last_finite=True, at_min=0):
-  return {
-      "loss_scale": jnp.float32(scale),
-      "skipped_steps": jnp.int32(skipped),
-      "last_finite": jnp.bool_(last_finite),
-      "overflows_at_min": jnp.int32(at_min),
-      "steps_since_adjustment": jnp.int32(0),
-      "skipped": jnp.int32(not last_finite),
-  }
-
-
-def _scripted(monitor, overflows, initial=2.0**10):
-  """Feeds numpy-simulated metrics after every step; returns the step count."""
-  scale, skipped = initial, 0
+def _scripted(monitor, overflows, scale=2.0**10):
+  """Feeds the monitor the metrics of a scripted run: each overflow halves the scale."""
+  skipped = 0
   for step, overflow in enumerate(overflows, start=1):
-    if overflow:
-      scale, skipped = scale / 2, skipped + 1
-    monitor.update(step, _metrics(scale, skipped, not overflow))
-  return len(overflows)
+    scale, skipped = (scale / 2, skipped + 1) if overflow else (scale, skipped)
+    monitor.update(step, {
+        "loss_scale": jnp.float32(scale), "skipped_steps": jnp.int32(skipped),
+        "last_finite": jnp.bool_(not overflow), "overflows_at_min": jnp.int32(0),
+        "steps_since_adjustment": jnp.int32(0), "skipped": jnp.int32(overflow)})
 
 
 def test_records_every_n_steps_and_history():
@@ -41,16 +32,13 @@ def test_records_every_n_steps_and_history():
   assert monitor.update(21, object()) is False
   with pytest.raises(ValueError, match="no jaxmp.loss_scaling state"):
     monitor.update(25, object())
-  history = monitor.history
-  assert history["step"] == [5, 10, 15, 20]
-  assert history["skipped_steps"] == [1, 2, 3, 3]
-  assert history["loss_scale"] == [512.0, 256.0, 128.0, 128.0]
-  assert history["last_finite"] == [True, False, True, True]
-  assert history["overflows_at_min"] == [0, 0, 0, 0]
+  assert monitor.history == {
+      "step": [5, 10, 15, 20], "loss_scale": [512.0, 256.0, 128.0, 128.0],
+      "skipped_steps": [1, 2, 3, 3], "last_finite": [True, False, True, True],
+      "overflows_at_min": [0, 0, 0, 0]}
   # Steps 11..20 hold one skip (step 14).
-  assert monitor.overflow_rate() == 0.1
-  assert monitor.overflow_rate(window=20) == 3 / 20
-  assert monitor.overflow_rate(window=5) == 0.0
+  assert [monitor.overflow_rate(), monitor.overflow_rate(window=20),
+          monitor.overflow_rate(window=5)] == [0.1, 3 / 20, 0.0]
   # The last skip was seen at the record of step 15: a lower bound of 5.
   assert monitor.steps_since_last_skip() == 5
   assert "loss scale 128" in monitor.summary()
@@ -58,13 +46,11 @@ def test_records_every_n_steps_and_history():
 
 def test_partial_window_and_exact_since_last_skip():
   monitor = jaxmp.LossScaleMonitor(every=1, window=100, warn_rate=None)
-  assert monitor.overflow_rate() is None
-  assert monitor.steps_since_last_skip() is None
+  assert monitor.overflow_rate() is None and monitor.steps_since_last_skip() is None
   assert "no loss-scaling metrics" in monitor.summary()  # nothing recorded yet
   _scripted(monitor, [True, False, False, True, False, False, False])
-  # Fewer than `window` steps: measured from step 0.
-  assert monitor.overflow_rate() == 2 / 7
-  assert monitor.steps_since_last_skip() == 3  # the skip at step 4
+  # Fewer than `window` steps: measured from step 0; the last skip is step 4's.
+  assert (monitor.overflow_rate(), monitor.steps_since_last_skip()) == (2 / 7, 3)
 
 
 def test_warns_once_and_only_when_a_full_window_skips_too_many_steps():
@@ -86,9 +72,7 @@ def test_warns_once_and_only_when_a_full_window_skips_too_many_steps():
 def test_plot_writes_a_png(tmp_path):
   monitor = jaxmp.LossScaleMonitor(every=2, window=10, warn_rate=None)
   _scripted(monitor, [i % 7 == 3 for i in range(60)])
-  path = monitor.plot(tmp_path / "scale.png")
-  with open(path, "rb") as f:
-    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert pathlib.Path(monitor.plot(tmp_path / "scale.png")).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_stacked_states_are_recorded_by_their_worst_member():
