@@ -20,8 +20,13 @@ KeyPath = tuple[Any, ...]
 
 
 class LossScalingState(NamedTuple):
-  """State of :func:`loss_scaling`: the inner state (bit-identical on skipped steps),
-  the loss scale, and the counters :func:`loss_scaling_metrics` reports.
+  """State of :func:`loss_scaling`.
+
+  ``inner_state`` is the wrapped optimizer's (bit-identical on skipped
+  steps), ``loss_scale`` the current :class:`jaxmp.LossScale`; the int32
+  counters ``skipped_steps``, ``recovered_steps``, ``fallback_steps`` and
+  ``lost_steps`` and the bool ``last_finite`` are what
+  :func:`loss_scaling_metrics` reports.
 
   Example:
     >>> import jax.numpy as jnp, optax, jaxmp
