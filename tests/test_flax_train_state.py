@@ -149,8 +149,8 @@ def test_a_path_or_module_policy_state_keeps_the_layernorm_in_float32(policy, se
     assert {np.dtype(v.aval.dtype) for e in eqns if e.primitive.name == "dot_general"
             for v in e.invars} == {F16}
   state, loss, logits = jax.jit(step)(state)
-  assert logits.dtype == F32 and np.isfinite(loss) and bool(state.metrics["last_finite"])
-  assert int(state.step) == 1 and dtypes(state.params) == {F32}
+  assert logits.dtype == loss.dtype == F32 and np.isfinite(loss) and int(state.step) == 1
+  assert bool(state.metrics["last_finite"]) and dtypes(state.params) == {F32}
 
 
 def test_apply_gradients_keeps_the_fields_dtypes_and_replaces_static_ones():
