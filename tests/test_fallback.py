@@ -16,161 +16,90 @@ import pathlib
 import subprocess
 import sys
 
-import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from flax import nnx
 
 import jaxmp
 import jaxmp.flax
+from matmul_dtypes import matmul_dtypes
+from models import bits
 
 LADDER = ("mixed_float16", "float32")
-X = jnp.ones((4, 2))
-Y = jnp.zeros((4, 3))
+X, Y = jnp.ones((4, 2)), jnp.zeros((4, 3))
 
-
-def _same_arrays(a, b):
-  """Bit-identical: same structure, dtypes and bits (nan included)."""
-  chex.assert_trees_all_equal_structs(a, b)
-  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.dtype == y.dtype and x.shape == y.shape
-    assert x.tobytes() == y.tobytes()
-
-
-# -- Three frameworks -----------------------------------------------------------
-# A plain optax loop holds (params, opt_state); a jaxmp.flax.TrainState holds
-# its policy; an nnx.Optimizer is switched in place with its model. Each runs
-# a tiny model (``Spike`` or ``NnxHead``) whose float16 forward pass overflows
-# on large inputs.
-
+# Three frameworks: a plain optax loop holds (params, opt_state); a
+# jaxmp.flax.TrainState holds its policy; an nnx.Optimizer is switched in
+# place with its model (the model is None but for NNX). Each runs a tiny
+# model (nn.Dense(3) or NnxHead) whose float16 forward pass overflows on
+# large inputs.
 FRAMEWORKS = ("optax", "train_state", "nnx")
 
 
-class Spike(nn.Module):
-  """A tiny model whose float16 forward pass overflows on large inputs."""
-
-  @nn.compact
-  def __call__(self, x):
-    return nn.Dense(3)(x)
-
-
 class NnxHead(nnx.Module):
-
   def __init__(self, rngs, head_scale=1.0):
     self.body = nnx.Linear(2, 4, rngs=rngs)
-    self.head = nnx.Linear(4, 3, rngs=rngs,
-                           kernel_init=nnx.initializers.constant(head_scale))
+    self.head = nnx.Linear(4, 3, rngs=rngs, kernel_init=nnx.initializers.constant(head_scale))
 
   def __call__(self, x):
     return self.head(self.body(x))
 
 
-def _loss_scale(loss_scale):
-  return loss_scale or jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0)
-
-
-def _train_state(loss_scale=None):
-  model = Spike()
-  params = model.init(jax.random.key(0), X)["params"]
-  return jaxmp.flax.TrainState.create(
-      apply_fn=model.apply, params=params, tx=optax.adam(1e-2),
-      policy="mixed_float16", loss_scale=_loss_scale(loss_scale))
-
-
-def _counted_step():
-  traces = []
-
-  @jax.jit
-  def step(state, x, y):
-    traces.append(None)
-
-    def loss_fn(params, x, y):
-      return jnp.mean((state.apply_fn({"params": params}, x) - y) ** 2)
-
-    loss, grads = state.value_and_grad(loss_fn)(state.params, x, y)
-    return state.apply_gradients(grads=grads), loss
-
-  return step, traces
-
-
-def _nnx_run(head_scale=1.0, loss_scale=None):
-  model = NnxHead(nnx.Rngs(0), head_scale)
-  jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
-  optimizer = nnx.Optimizer(
-      model, jaxmp.loss_scaling(optax.adam(1e-3), _loss_scale(loss_scale)),
-      wrt=nnx.Param)
-  traces = []
-
-  @nnx.jit
-  def step(model, optimizer, x):
-    traces.append(None)
-    loss, grads = jaxmp.scaled_value_and_grad(
-        lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2),
-        jaxmp.get_loss_scale(optimizer.opt_state),
-        value_and_grad=nnx.value_and_grad)(model)
-    optimizer.update(model, grads)
-    return loss
-
-  return model, optimizer, step, traces
-
-
-def _optax_tx(loss_scale=None):
-  return jaxmp.loss_scaling(optax.adam(1e-2), _loss_scale(loss_scale))
-
-
-def _optax_run(loss_scale=None):
-  model = Spike()
-  params = model.init(jax.random.key(0), X)["params"]
-  tx = _optax_tx(loss_scale)
-  traces = []
-
-  @functools.partial(jax.jit, static_argnames="policy")
-  def step(target, x, policy):
-    traces.append(policy)
-    params, opt_state = target
-
-    def loss_fn(params):
-      out = model.apply({"params": policy.cast_to_compute(params)},
-                        policy.cast_to_compute(x))
-      return jnp.mean((policy.cast_to_output(out) - Y) ** 2)
-
-    _, grads = jaxmp.scaled_value_and_grad(
-        loss_fn, jaxmp.get_loss_scale(opt_state))(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  return (params, tx.init(params)), None, step, traces
+def _tx(loss_scale=None):
+  return jaxmp.loss_scaling(
+      optax.adam(1e-2), loss_scale or jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0))
 
 
 def _run(framework, loss_scale=None):
   """``(target, model, step, traces)`` of a run that starts in mixed_float16.
 
   ``step(target, x, policy)`` returns the target after one update; ``traces``
-  grows by one each time the step is traced. The model is ``None`` but for NNX.
+  grows by one each time the step is traced.
   """
-  if framework == "optax":
-    return _optax_run(loss_scale)
+  traces, model = [], nn.Dense(3)
+  params = model.init(jax.random.key(0), X)["params"]
   if framework == "train_state":
-    step, traces = _counted_step()
-    return (_train_state(loss_scale), None,
-            lambda state, x, _: step(state, x, Y)[0], traces)
-  model, optimizer, step, traces = _nnx_run(loss_scale=loss_scale)
+    state = jaxmp.flax.TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.adam(1e-2), policy="mixed_float16",
+        loss_scale=loss_scale or jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0))
 
-  def nnx_step(optimizer, x, _):
-    step(model, optimizer, x)  # in place
-    return optimizer
+    @jax.jit
+    def state_step(state, x):
+      traces.append(None)
+      loss_fn = lambda params: jnp.mean((state.apply_fn({"params": params}, x) - Y) ** 2)
+      return state.apply_gradients(grads=state.value_and_grad(loss_fn)(state.params)[1])
 
-  return optimizer, model, nnx_step, traces
+    return state, None, lambda state, x, _: state_step(state, x), traces
+  if framework == "nnx":
+    model = NnxHead(nnx.Rngs(0))
+    jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
 
+    @nnx.jit
+    def nnx_step(model, optimizer, x):
+      traces.append(None)
+      _, grads = jaxmp.scaled_value_and_grad(
+          lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2),
+          jaxmp.get_loss_scale(optimizer.opt_state), value_and_grad=nnx.value_and_grad)(model)
+      optimizer.update(model, grads)
 
-def _floor_scale():
-  """A dynamic scale that reaches its floor at the second overflow."""
-  return jaxmp.DynamicLossScale(2.0, min_loss_scale=1.0)
+    optimizer = nnx.Optimizer(model, _tx(loss_scale), wrt=nnx.Param)
+    return optimizer, model, lambda o, x, _: nnx_step(model, o, x) or o, traces
+  tx = _tx(loss_scale)
+
+  @functools.partial(jax.jit, static_argnames="policy")
+  def optax_step(target, x, policy):
+    traces.append(policy)
+    (params, opt_state), cast = target, policy.cast_to_compute
+    loss_fn = lambda params: jnp.mean(
+        (policy.cast_to_output(model.apply({"params": cast(params)}, cast(x))) - Y) ** 2)
+    _, grads = jaxmp.scaled_value_and_grad(loss_fn, jaxmp.get_loss_scale(opt_state))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return (params, tx.init(params)), None, optax_step, traces
 
 
 @nnx.jit
@@ -181,7 +110,7 @@ def _apply_gradients(target, model, grads):
   elif isinstance(target, tuple):  # a plain optax loop
     params, opt_state = target
     # The update reads the loss scale from the state, not from the tx.
-    updates, opt_state = _optax_tx().update(grads, opt_state, params)
+    updates, opt_state = _tx().update(grads, opt_state, params)
     target = (optax.apply_updates(params, updates), opt_state)
   else:  # a TrainState
     target = target.apply_gradients(grads=grads)
@@ -193,9 +122,9 @@ def _overflowed(framework, overflows=2):
 
   One finite step moved the params and moments, then ``overflows`` steps
   overflowed: the first halved the scale to its floor, the others found it
-  there. The model is ``None`` but for NNX.
+  there.
   """
-  target, model, _, _ = _run(framework, _floor_scale())
+  target, model, _, _ = _run(framework, jaxmp.DynamicLossScale(2.0, min_loss_scale=1.0))
   ones = jax.tree_util.tree_map(jnp.ones_like, _kept(target, model)[0])
   inf = jax.tree_util.tree_map(lambda g: g * jnp.inf, ones)
   for grads in (ones, *[inf] * overflows):
@@ -220,36 +149,6 @@ def _kept(target, model):
       params, _opt_state(target).inner_state, getattr(target, "step", None)))
 
 
-def _update(fallback, target, model, step):
-  """``fallback.update`` for any framework: ``(target, policy)``."""
-  if model is None and isinstance(target, tuple):  # a plain optax loop
-    return fallback.update(target, step=step)
-  return fallback.update(target, model=model), fallback.policy
-
-
-def _checkpointed(target, model):
-  """What ``save_checkpoint`` and ``restore_checkpoint`` take: NNX's model too."""
-  return target if model is None else (model, target)
-
-
-def _restore(path, framework, fallback, abstract=False):
-  """A fresh run's target, built in mixed_float16, restored from ``path``.
-
-  Returns ``(target, model, step, traces)`` as :func:`_run` does. With
-  ``abstract``, the target and model restored into are only shapes and
-  dtypes (``jax.eval_shape``, ``nnx.eval_shape``), and there is no step.
-  """
-  if abstract:
-    eval_shape = nnx.eval_shape if framework == "nnx" else jax.eval_shape
-    target, model = eval_shape(lambda: _run(framework, _floor_scale())[:2])
-    step = traces = None
-  else:
-    target, model, step, traces = _run(framework, _floor_scale())
-  restored = jaxmp.flax.restore_checkpoint(
-      path, _checkpointed(target, model), fallback=fallback)
-  return (restored if model is None else restored[1]), model, step, traces
-
-
 def _assert_in(policy, target, model):
   """A TrainState holds ``policy``; an NNX model computes in its dtype."""
   policy = jaxmp.get_policy(policy)
@@ -260,10 +159,7 @@ def _assert_in(policy, target, model):
 
 
 def _dot_dtypes(fn, *args):
-  """The dtypes of the operands of each matmul of ``fn(*args)``."""
-  jaxpr = jax.make_jaxpr(fn)(*args)
-  return [tuple(str(v.aval.dtype) for v in e.invars)
-          for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+  return [dtypes for _, dtypes in matmul_dtypes(fn, *args)]
 
 
 # -- The switch itself ----------------------------------------------------------
@@ -273,16 +169,21 @@ def _dot_dtypes(fn, *args):
 def test_a_switch_replaces_the_loss_scale_only_when_the_policy_needs_none(framework):
   target, model = _overflowed(framework)
   opt_state, kept = _opt_state(target), _kept(target, model)
+  # A policy that would store the params in bfloat16 is refused (the switch
+  # keeps the float32 params bit-identical), the target left as it was.
+  with pytest.raises(ValueError):
+    jaxmp.switch_precision(target, "bf16", model=model)
+  assert _opt_state(target) is opt_state and bits(_kept(target, model)) == bits(kept)
+  _assert_in("mixed_float16", target, model)
   # A policy that still computes in float16: nothing to change, the scale stays.
   same = jaxmp.switch_precision(
-      target, jaxmp.get_policy("mixed_float16").with_output_dtype(jnp.float16),
-      model=model)
+      target, jaxmp.get_policy("mixed_float16").with_output_dtype(jnp.float16), model=model)
   assert _opt_state(same) is opt_state
   switched = jaxmp.switch_precision(target, "float32", model=model)
   new = _opt_state(switched)
   assert jaxmp.get_loss_scale(new) == jaxmp.NoOpLossScale()
   assert new.inner_state is opt_state.inner_state  # not even a copy
-  _same_arrays(_kept(switched, model), kept)
+  assert bits(_kept(switched, model)) == bits(kept)
   before, after = jaxmp.loss_scaling_metrics(opt_state), jaxmp.loss_scaling_metrics(new)
   assert int(after["skipped_steps"]) == int(before["skipped_steps"]) == 2
   assert int(after["overflows_at_min"]) == 0  # a no-op scale has no floor
@@ -300,23 +201,8 @@ def test_a_switch_replaces_the_loss_scale_only_when_the_policy_needs_none(framew
   assert jax.tree_util.tree_structure(fresh) == jax.tree_util.tree_structure(new)
   assert jaxmp.get_loss_scale(fresh) == jaxmp.NoOpLossScale()
   if model is None:  # the TrainState's apply_fn runs under the new policy
-    assert _dot_dtypes(target.apply_fn, {"params": target.params}, X) == [
-        ("float16", "float16")]
-    assert _dot_dtypes(switched.apply_fn, {"params": switched.params}, X) == [
-        ("float32", "float32")]
-
-
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_a_policy_that_would_store_the_params_in_16_bits_is_refused(framework):
-  # The switch keeps the float32 params bit-identical; "bf16" would store
-  # them in bfloat16: refused for every kind of target, which stays as it was.
-  target, model = _overflowed(framework)
-  opt_state, kept = _opt_state(target), _kept(target, model)
-  with pytest.raises(ValueError):
-    jaxmp.switch_precision(target, "bf16", model=model)
-  assert _opt_state(target) is opt_state
-  _same_arrays(_kept(target, model), kept)
-  _assert_in("mixed_float16", target, model)
+    assert _dot_dtypes(target.apply_fn, {"params": target.params}, X) == [("float16",) * 2]
+    assert _dot_dtypes(switched.apply_fn, {"params": switched.params}, X) == [("float32",) * 2]
 
 
 @pytest.mark.integration  # a fresh process: this one has imported jaxmp.flax
@@ -343,12 +229,9 @@ def test_switching_an_nnx_optimizer_needs_no_import_of_jaxmp_flax():
 
 
 def test_the_controller_switches_on_overflows_at_the_minimum_scale(caplog):
-  tx = jaxmp.loss_scaling(optax.sgd(0.1),
-                          jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0))
-  params = {"w": jnp.ones(2)}
+  tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0))
+  params, fallback, policies = {"w": jnp.ones(2)}, jaxmp.PrecisionFallback(LADDER, every=1), []
   opt_state = tx.init(params)
-  fallback = jaxmp.PrecisionFallback(LADDER, every=1)
-  policies = []
   with caplog.at_level(logging.WARNING, logger="jaxmp"):
     for step in range(1, 7):
       _, opt_state = tx.update({"w": jnp.full(2, jnp.inf)}, opt_state, params)
@@ -364,10 +247,9 @@ def test_the_controller_switches_on_overflows_at_the_minimum_scale(caplog):
   assert fallback.policy == jaxmp.get_policy("float32") and fallback.rung == 1
   assert fallback.next_policy is None
   (record,) = [r for r in caplog.records if "switching" in r.getMessage()]
-  assert record.levelno == logging.WARNING
-  assert record.getMessage() == (
+  assert (record.levelno, record.getMessage()) == (logging.WARNING, (
       "jaxmp: step 3: switching from p=f32,c=f16,o=f32 to p=f32,c=f32,o=f32: "
-      "1 overflow(s) at the minimum loss scale 1.")
+      "1 overflow(s) at the minimum loss scale 1."))
   # In float32 the nan steps are still skipped, but they are not fp16's fault.
   assert int(jaxmp.loss_scaling_metrics(opt_state)["skipped_steps"]) == 6
 
@@ -375,8 +257,7 @@ def test_the_controller_switches_on_overflows_at_the_minimum_scale(caplog):
 def test_check_reads_every_n_steps_tolerates_overflows_and_answers_the_next_rung():
   state = _at_the_floor(2)  # one overflow at the floor
   fallback = jaxmp.PrecisionFallback(LADDER, every=5)
-  for step in (1, 2, 3, 4):
-    assert fallback.check(state, step=step) is None
+  assert [fallback.check(state, step=step) for step in (1, 2, 3, 4)] == [None] * 4
   assert fallback.monitor.records == []
   assert fallback.check(state, step=5) == jaxmp.get_policy("float32")
   assert [r.step for r in fallback.monitor.records] == [5]
@@ -388,12 +269,10 @@ def test_check_reads_every_n_steps_tolerates_overflows_and_answers_the_next_rung
 
 def test_the_overflow_rate_is_measured_over_a_whole_window_of_the_current_policy():
   # A static scale never reaches a floor: only the rate says float16 fails.
-  tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.StaticLossScale(2.0**10))
-  params = {"w": jnp.ones(2)}
+  tx, params = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.StaticLossScale(2.0**10)), {"w": jnp.ones(2)}
   opt_state = tx.init(params)
-  fallback = jaxmp.PrecisionFallback(
-      ("mixed_float16", "p=f32,c=f16,o=f16", "float32"), every=2, window=8,
-      max_overflow_rate=0.25)
+  fallback = jaxmp.PrecisionFallback(("mixed_float16", "p=f32,c=f16,o=f16", "float32"),
+                                     every=2, window=8, max_overflow_rate=0.25)
   for step in range(1, 25):
     grad = jnp.inf if step % 2 else 1.0  # half the steps overflow
     _, opt_state = tx.update({"w": jnp.full(2, grad)}, opt_state, params)
@@ -419,37 +298,32 @@ def test_raise_mode_raises_check_loss_scales_error(ladder):
 
 
 def test_the_ladder_follows_the_hardware():
+  f16, bf16, f32 = map(jaxmp.get_policy, ("mixed_float16", "mixed_bfloat16", "float32"))
   assert not jaxmp.hardware_report().native_bfloat16  # this CPU
-  assert jaxmp.PrecisionFallback().ladder == (
-      jaxmp.get_policy("mixed_float16"), jaxmp.get_policy("float32"))
-  report = dataclasses.replace(jaxmp.hardware_report(), platform="tpu",
-                               native_bfloat16=True)
-  fallback = jaxmp.PrecisionFallback(
-      ("mixed_float16", "mixed_bfloat16", "float32"), hardware=report)
-  assert [str(p) for p in fallback.ladder] == [
-      "p=f32,c=f16,o=f32", "p=f32,c=bf16,o=f32", "p=f32,c=f32,o=f32"]
-  assert jaxmp.PrecisionFallback(hardware=report).ladder == (
-      jaxmp.get_policy("mixed_float16"), jaxmp.get_policy("mixed_bfloat16"))
+  assert jaxmp.PrecisionFallback().ladder == (f16, f32)
+  report = dataclasses.replace(jaxmp.hardware_report(), platform="tpu", native_bfloat16=True)
+  assert jaxmp.PrecisionFallback(("mixed_float16", "mixed_bfloat16", "float32"),
+                                 hardware=report).ladder == (f16, bf16, f32)
+  assert jaxmp.PrecisionFallback(hardware=report).ladder == (f16, bf16)
 
 
 # -- A run that switches -------------------------------------------------------
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_a_run_switches_once_compiles_once_more_and_keeps_params_and_moments(
-    framework):
+def test_a_run_switches_once_compiles_once_more_and_keeps_params_and_moments(framework):
   target, model, step, traces = _run(framework)
   fallback = jaxmp.PrecisionFallback(LADDER, every=1)
   policy = fallback.policy
   for i in range(1, 9):
     target = step(target, X * (1e5 if i <= 4 else 1.0), policy)
-    kept = _kept(target, model)
+    kept = bits(_kept(target, model))
     if framework == "optax":  # the policy goes to the step, a static argument
       target, policy = fallback.update(target, step=i)
     else:  # the target holds the policy (the model its dtypes) and the step
       target = fallback.update(target, model=model)
     if fallback.events and fallback.events[-1].step == i:
-      _same_arrays(_kept(target, model), kept)
+      assert bits(_kept(target, model)) == kept
   assert len(traces) == 2  # the float16 step and the float32 step, once each
   assert [e.step for e in fallback.events] == [3]
   assert jaxmp.get_loss_scale(_opt_state(target)) == jaxmp.NoOpLossScale()
@@ -457,13 +331,9 @@ def test_a_run_switches_once_compiles_once_more_and_keeps_params_and_moments(
   # float32: three steps were skipped, not four.
   metrics = jaxmp.loss_scaling_metrics(_opt_state(target))
   assert int(metrics["skipped_steps"]) == 3 and bool(metrics["last_finite"])
-  float32 = jaxmp.get_policy("float32")
+  _assert_in("float32", target, model)
   if framework == "optax":
-    assert traces == [jaxmp.get_policy("mixed_float16"), float32]
-  elif framework == "train_state":
-    assert target.policy == float32
-  else:
-    assert model.head.dtype == model.body.dtype == jnp.float32
+    assert traces == [jaxmp.get_policy("mixed_float16"), jaxmp.get_policy("float32")]
 
 
 # -- Checkpoints ----------------------------------------------------------------
@@ -473,31 +343,36 @@ def test_a_run_switches_once_compiles_once_more_and_keeps_params_and_moments(
 def test_a_checkpoint_resumes_the_controller_and_the_target_in_the_saved_policy(
     framework, tmp_path):
   target, model = _overflowed(framework)  # at the floor, not switched yet
-  fallback = jaxmp.PrecisionFallback(LADDER, every=1)
-  saved = {}
+  fallback, saved = jaxmp.PrecisionFallback(LADDER, every=1), {}
+  checkpointed = lambda target, model: target if model is None else (model, target)
   for name in ("before", "after"):  # the switch
     if name == "after":
-      target, policy = _update(fallback, target, model, step=3)
-      assert policy == jaxmp.get_policy("float32")
-    jaxmp.flax.save_checkpoint(tmp_path / name, _checkpointed(target, model),
-                               fallback=fallback)
-    saved[name] = (_kept(target, model), jax.tree_util.tree_map(
-        jnp.copy, _opt_state(target)), list(fallback.events))
+      target = (fallback.update(target, step=3)[0] if framework == "optax"
+                else fallback.update(target, model=model))
+      assert fallback.policy == jaxmp.get_policy("float32")
+    jaxmp.flax.save_checkpoint(tmp_path / name, checkpointed(target, model), fallback=fallback)
+    saved[name] = bits((_kept(target, model), _opt_state(target))), list(fallback.events)
   for name, abstract in [("before", False), ("after", False), ("after", True)]:
     resumed = jaxmp.PrecisionFallback(LADDER, every=1)  # a new process
-    # The target is built in float16, as at the start of the run; abstract:
+    # Into a target built in float16, as at the start of the run; abstract:
     # only shapes and dtypes (jax.eval_shape, nnx.eval_shape).
-    restored, restored_model, step, traces = _restore(
-        tmp_path / name, framework, resumed, abstract)
-    kept, opt_state, events = saved[name]
+    build = lambda: _run(framework, jaxmp.DynamicLossScale(2.0, min_loss_scale=1.0))
+    if abstract:
+      eval_shape = nnx.eval_shape if framework == "nnx" else jax.eval_shape
+      (target, model), step = eval_shape(lambda: build()[:2]), None
+    else:
+      target, model, step, traces = build()
+    restored = jaxmp.flax.restore_checkpoint(
+        tmp_path / name, checkpointed(target, model), fallback=resumed)
+    restored = restored if model is None else restored[1]
+    arrays, events = saved[name]
     policy = jaxmp.get_policy("float32" if name == "after" else "mixed_float16")
     assert resumed.events == events and resumed.policy == policy
     assert resumed.rung == (1 if name == "after" else 0)
-    _assert_in(policy, restored, restored_model)
+    _assert_in(policy, restored, model)
     assert isinstance(jaxmp.get_loss_scale(_opt_state(restored)), (
         jaxmp.NoOpLossScale if name == "after" else jaxmp.DynamicLossScale))
-    _same_arrays(_kept(restored, restored_model), kept)
-    _same_arrays(_opt_state(restored), opt_state)
+    assert bits((_kept(restored, model), _opt_state(restored))) == arrays
     if name == "after" and not abstract:
       if framework != "optax":
         assert int(jax.tree_util.tree_leaves(restored.step)[0]) == 3
@@ -538,14 +413,10 @@ def _wide_projection(key, shape, dtype=jnp.float32):
 
 
 class OneBadModule(nn.Module):
-  """Everything is tame except ``head``, an unnormalised projection.
-
-  ``head`` sums 512 positive activations with weights near 1000: its logits
-  (about 2e5) exceed float16's 65504 at any loss scale. The cotangents it
-  sends back (softmax minus one-hot, through kernel columns that differ by
-  1%) stay small, so in float32 it trains the rest in float16 without an
-  overflow.
-  """
+  """Tame but for ``head``, which sums 512 positive activations with weights
+  near 1000: its logits (about 2e5) exceed float16's 65504 at any loss scale;
+  its cotangents (softmax minus one-hot, through kernel columns 1% apart) stay
+  small, so in float32 it trains the rest in float16 without an overflow."""
 
   @nn.compact
   def __call__(self, x):
@@ -567,26 +438,18 @@ class NnxOneBadModule(nnx.Module):
 
 
 def _classifier(framework):
-  """``(target, model, step, forward, classes)`` of a classifier in mixed_float16.
-
+  """``(target, model, step, forward, classes)`` of a classifier in mixed_float16:
   ``step(target)`` trains on one batch and returns ``(target, grads)``;
-  ``forward(target)`` is the call to watch, as ``find_overflowing_modules``
-  takes it; ``classes`` are the model's module classes. The model is ``None``
-  but for NNX.
-  """
-  x = jax.random.normal(jax.random.key(1), (8, 4))
-  labels = jnp.arange(8) % 8
-  loss_scale = jaxmp.DynamicLossScale(2.0**3, min_loss_scale=1.0)
-
-  def loss(logits):
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), labels).mean()
-
+  ``forward(target)``, the call that ``find_overflowing_modules`` watches;
+  ``classes``, the model's module classes."""
+  x, loss_scale = jax.random.normal(jax.random.key(1), (8, 4)), jaxmp.DynamicLossScale(
+      2.0**3, min_loss_scale=1.0)
+  loss = lambda logits: optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), jnp.arange(8)).mean()
   if framework == "linen":
-    model = OneBadModule()
-    params = jax.jit(model.init)(jax.random.key(0), x)["params"]  # one compile
+    params = jax.jit(OneBadModule().init)(jax.random.key(0), x)["params"]  # one compile
     state = jaxmp.flax.TrainState.create(
-        apply_fn=model.apply, params=params, tx=optax.adam(1e-4),
+        apply_fn=OneBadModule().apply, params=params, tx=optax.adam(1e-4),
         policy="mixed_float16", loss_scale=loss_scale)
 
     @jax.jit
@@ -625,17 +488,16 @@ def test_only_the_overflowing_module_is_promoted_and_training_then_skips_nothing
     if fallback.check(target) is not None:
       break
   assert fallback.check(target) == jaxmp.get_policy("float32")  # the next rung
-  before = jax.tree_util.tree_map(jnp.copy, _kept(target, model))
+  before = bits(_kept(target, model))
   calls = {cls: vars(cls).get("__call__") for cls in classes}
   report = jaxmp.flax.find_overflowing_modules(*forward(target), grads=grads)
-  assert report.modules == ("head",)
-  assert report.inputs_finite
+  assert report.modules == ("head",) and report.inputs_finite
   assert set(report.gradient_modules) == {"body", "norm", "head"}
   assert [(c.path, c.inputs_finite, c.outputs_finite) for c in report.calls] == [
       ("", True, False), ("norm", True, True), ("body", True, True),
       ("head", True, False)]
   # Nothing of the model was changed: its arrays, its classes' __call__.
-  _same_arrays(_kept(target, model), before)
+  assert bits(_kept(target, model)) == before
   assert {cls: vars(cls).get("__call__") for cls in classes} == calls
   policy = report.propose_policy(fallback.policy)
   assert policy == jaxmp.flax.ModulePolicy({"head": "float32"},
@@ -646,23 +508,19 @@ def test_only_the_overflowing_module_is_promoted_and_training_then_skips_nothing
   assert fallback.rung == 0 and fallback.next_policy == jaxmp.get_policy("float32")
   # float16 remains: the loss scale stays dynamic, where it was.
   loss_scale = jaxmp.get_loss_scale(_opt_state(target))
-  assert isinstance(loss_scale, jaxmp.DynamicLossScale)
-  assert float(loss_scale.loss_scale) == 1.0
+  assert isinstance(loss_scale, jaxmp.DynamicLossScale) and float(loss_scale.loss_scale) == 1.0
   for _ in range(4):
     target, _ = step(target)
     assert fallback.check(target) is None  # the floor's count was the baseline
-  metrics = jaxmp.loss_scaling_metrics(_opt_state(target))
-  assert int(metrics["skipped_steps"]) == skipped
+  assert int(jaxmp.loss_scaling_metrics(_opt_state(target))["skipped_steps"]) == skipped
   # head computes in float32, the rest still in float16, and nothing overflows.
   if model is not None:
     assert model.head.dtype == jnp.float32 and model.body.dtype == jnp.float16
-  assert _dot_dtypes(*forward(target)) == [("float16", "float16"),
-                                           ("float32", "float32")]
+  assert _dot_dtypes(*forward(target)) == [("float16", "float16"), ("float32", "float32")]
   assert jaxmp.flax.find_overflowing_modules(*forward(target)).modules == ()
 
 
 class FeedsAFloat16Head(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     h = nn.Dense(4, name="body", kernel_init=nn.initializers.constant(3e4))(x)
@@ -670,7 +528,6 @@ class FeedsAFloat16Head(nn.Module):
 
 
 class NnxFeedsAFloat16Head(nnx.Module):
-
   def __init__(self, rngs):
     self.body = nnx.Linear(3, 4, kernel_init=nnx.initializers.constant(3e4), rngs=rngs)
     self.head = nnx.Linear(4, 2, rngs=rngs)
@@ -710,7 +567,6 @@ def test_the_innermost_producer_is_reported_however_deep():
   the model around it (whose outputs are inf too) is reported."""
 
   class Block(nnx.Module):
-
     def __init__(self, rngs):
       self.head = NnxHead(rngs, head_scale=1e5)
 
@@ -718,7 +574,6 @@ def test_the_innermost_producer_is_reported_however_deep():
       return self.head(x)
 
   class Model(nnx.Module):
-
     def __init__(self, rngs):
       self.block = Block(rngs)
 
@@ -734,9 +589,7 @@ def test_the_innermost_producer_is_reported_however_deep():
 
 
 def test_the_proposed_policy_wins_over_a_declared_float16_dtype():
-
   class DeclaredFloat16(nn.Module):  # the model's own dtype, as in Flax's examples
-
     @nn.compact
     def __call__(self, x):
       h = nn.relu(nn.Dense(512, dtype=jnp.float16, name="body")(x))
@@ -757,7 +610,6 @@ def test_the_proposed_policy_wins_over_a_declared_float16_dtype():
 
 
 class Squares(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     h = nn.Dense(2, name="dense")(x) * 3e4
@@ -774,8 +626,7 @@ def test_the_proposal_keeps_a_module_policys_rules_or_promotes_the_whole_model()
       {"head": "float32", nn.LayerNorm: "float32"}, default="mixed_float16",
       first_match=True, override_dtype=True)
   x = jnp.ones((1, 2))
-  apply = jaxmp.get_policy("mixed_float16").wrap_apply(Squares().apply)
-  report = jaxmp.flax.find_overflowing_modules(
-      apply, Squares().init(jax.random.key(0), x), x)
+  report = jaxmp.flax.find_overflowing_modules(jaxmp.get_policy("mixed_float16").wrap_apply(
+      Squares().apply), Squares().init(jax.random.key(0), x), x)
   assert report.modules == ("",)
   assert report.propose_policy("mixed_float16") == jaxmp.get_policy("float32")
