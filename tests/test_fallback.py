@@ -521,6 +521,9 @@ def test_only_the_overflowing_module_is_promoted_and_training_then_skips_nothing
 
 
 class FeedsAFloat16Head(nn.Module):
+  """body's float16 output (9e4) overflows; promoted to float32, that output
+  overflows the float16 head it feeds."""
+
   @nn.compact
   def __call__(self, x):
     h = nn.Dense(4, name="body", kernel_init=nn.initializers.constant(3e4))(x)
@@ -536,30 +539,64 @@ class NnxFeedsAFloat16Head(nnx.Module):
     return self.head(self.body(x))
 
 
-@pytest.mark.parametrize("framework", ["linen", "nnx"])
-def test_the_proposed_policy_runs_finite_on_the_batch_it_was_built_from(framework):
-  # body's float16 output (9e4) overflows; promoted to float32, that output
-  # overflows the float16 head it feeds, which the proposal promotes too.
-  x = jnp.ones((1, 3))
-  if framework == "linen":
-    variables = FeedsAFloat16Head().init(jax.random.key(0), x)
-    forward = lambda policy: (policy.wrap_apply(FeedsAFloat16Head().apply), variables, x)
-  else:
-    model = NnxFeedsAFloat16Head(nnx.Rngs(0))
+class DeclaredFloat16(nn.Module):  # the model's own dtype, as in Flax's examples
+  @nn.compact
+  def __call__(self, x):
+    h = nn.relu(nn.Dense(512, dtype=jnp.float16, name="body")(x))
+    return nn.Dense(8, dtype=jnp.float16, name="head", kernel_init=_wide_projection)(h)
 
-    def forward(policy):
-      policy.set_nnx_dtypes(model)
-      return model, x
 
-  report = jaxmp.flax.find_overflowing_modules(
-      *forward(jaxmp.flax.ModulePolicy({}, default="mixed_float16")))
-  assert report.modules == ("body",)
-  policy = report.propose_policy("mixed_float16")
-  assert policy == jaxmp.flax.ModulePolicy(
-      {"body": "float32", "head": "float32"}, default="mixed_float16",
-      override_dtype=True)
-  call, *args = forward(policy)
-  assert bool(jnp.all(jnp.isfinite(call(*args))))
+class Squares(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(2, name="dense")(x) * 3e4
+    return h * h  # the model's own operation overflows
+
+
+def _forward(model, x):
+  """``forward(policy)``: what find_overflowing_modules takes, under the policy."""
+  as_policy = lambda p: jaxmp.flax.ModulePolicy({}, default=p) if isinstance(p, str) else p
+  if isinstance(model, nnx.Module):
+    return lambda policy: (as_policy(policy).set_nnx_dtypes(model), (model, x))[1]
+  variables = jax.jit(model.init)(jax.random.key(0), x)
+  return lambda policy: (as_policy(policy).wrap_apply(model.apply), variables, x)
+
+
+F16_F32 = [("float16", "float16"), ("float32", "float32")]
+PROMOTIONS = {  # the model, its batch, the base policy; what overflows, the proposal, its dots
+    "downstream_linen": (lambda: _forward(FeedsAFloat16Head(), jnp.ones((1, 3))), "mixed_float16",
+                         ("body",), {"body": "float32", "head": "float32"}, F16_F32[1:] * 2),
+    "downstream_nnx": (lambda: _forward(NnxFeedsAFloat16Head(nnx.Rngs(0)), jnp.ones((1, 3))),
+                       "mixed_float16", ("body",), {"body": "float32", "head": "float32"},
+                       F16_F32[1:] * 2),
+    "over_a_declared_float16": (
+        lambda: _forward(DeclaredFloat16(), jax.random.normal(jax.random.key(1), (8, 4))),
+        "mixed_float16", ("head",), {"head": "float32"}, F16_F32),
+    "keeping_the_rules": (
+        lambda: _forward(OneBadModule(), jax.random.normal(jax.random.key(1), (2, 4))),
+        jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_float16"), ("head",),
+        {"head": "float32", nn.LayerNorm: "float32"}, F16_F32),
+    "the_whole_model": (lambda: _forward(Squares(), jnp.ones((1, 2))), "mixed_float16", ("",),
+                        None, F16_F32[1:]),
+}
+
+
+@pytest.mark.parametrize("case", PROMOTIONS)
+def test_the_proposed_policy_promotes_what_overflows_and_runs_finite_on_its_batch(case):
+  """The modules that produce the first inf, and then those it overflows
+  downstream (run in float16 on the proposal's outputs), over the model's own
+  dtype and keeping a ModulePolicy's rules; the whole model when its own
+  operation overflows."""
+  forward, base, modules, rules, dots = PROMOTIONS[case]
+  forward = forward()
+  report = jaxmp.flax.find_overflowing_modules(*forward(base))
+  assert report.modules == modules
+  policy = report.propose_policy(base)
+  assert policy == (jaxmp.get_policy("float32") if rules is None else jaxmp.flax.ModulePolicy(
+      rules, default="mixed_float16", first_match=not isinstance(base, str),
+      override_dtype=True))
+  assert _dot_dtypes(*forward(policy)) == dots
+  assert jaxmp.flax.find_overflowing_modules(*forward(policy)).modules == ()
 
 
 def test_the_innermost_producer_is_reported_however_deep():
@@ -586,47 +623,3 @@ def test_the_innermost_producer_is_reported_however_deep():
   assert [c.path for c in report.calls if not c.outputs_finite] == [
       "", "block", "block/head", "block/head/head"]
   assert report.modules == ("block/head/head",)
-
-
-def test_the_proposed_policy_wins_over_a_declared_float16_dtype():
-  class DeclaredFloat16(nn.Module):  # the model's own dtype, as in Flax's examples
-    @nn.compact
-    def __call__(self, x):
-      h = nn.relu(nn.Dense(512, dtype=jnp.float16, name="body")(x))
-      return nn.Dense(8, dtype=jnp.float16, name="head", kernel_init=_wide_projection)(h)
-
-  model = DeclaredFloat16()
-  x = jax.random.normal(jax.random.key(1), (8, 4))
-  variables = jax.jit(model.init)(jax.random.key(0), x)
-  report = jaxmp.flax.find_overflowing_modules(
-      jaxmp.get_policy("mixed_float16").wrap_apply(model.apply), variables, x)
-  assert report.modules == ("head",)
-  promoted = report.propose_policy("mixed_float16").wrap_apply(model.apply)
-  ops = jaxmp.precision_report(promoted, variables, x).ops
-  assert [(op.module, op.inputs) for op in ops] == [
-      ("DeclaredFloat16/body", ("float16", "float16")),
-      ("DeclaredFloat16/head", ("float32", "float32"))]
-  assert jaxmp.flax.find_overflowing_modules(promoted, variables, x).modules == ()
-
-
-class Squares(nn.Module):
-  @nn.compact
-  def __call__(self, x):
-    h = nn.Dense(2, name="dense")(x) * 3e4
-    return h * h  # the model's own operation overflows
-
-
-def test_the_proposal_keeps_a_module_policys_rules_or_promotes_the_whole_model():
-  x = jax.random.normal(jax.random.key(1), (2, 4))
-  report = jaxmp.flax.find_overflowing_modules(
-      jaxmp.get_policy("mixed_float16").wrap_apply(OneBadModule().apply),
-      jax.jit(OneBadModule().init)(jax.random.key(0), x), x)
-  base = jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_float16")
-  assert report.propose_policy(base) == jaxmp.flax.ModulePolicy(
-      {"head": "float32", nn.LayerNorm: "float32"}, default="mixed_float16",
-      first_match=True, override_dtype=True)
-  x = jnp.ones((1, 2))
-  report = jaxmp.flax.find_overflowing_modules(jaxmp.get_policy("mixed_float16").wrap_apply(
-      Squares().apply), Squares().init(jax.random.key(0), x), x)
-  assert report.modules == ("",)
-  assert report.propose_policy("mixed_float16") == jaxmp.get_policy("float32")
