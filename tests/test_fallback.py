@@ -1,12 +1,10 @@
 """Falling back to a wider policy: the controller, the switch, promotion.
 
 Level 2 (``jaxmp.PrecisionFallback``, ``jaxmp.switch_precision``): the switch
-keeps params and optimizer state bit-identical, compiles the step once more
-and never again, is logged and recorded, survives a checkpoint, and works
-for a plain optax loop, a ``jaxmp.flax.TrainState`` and NNX. Level 3
-(``jaxmp.flax.find_overflowing_modules``): on a model in which exactly one
-module overflows in float16, that module alone is promoted, and training then
-skips no step.
+keeps params and optimizer state bit-identical, compiles the step once more,
+is logged and recorded, survives a checkpoint, for a plain optax loop, a
+``jaxmp.flax.TrainState`` and NNX. Level 3 (``find_overflowing_modules``): the
+module that overflows in float16 alone is promoted, and no step is skipped.
 """
 
 import dataclasses
@@ -29,106 +27,92 @@ from matmul_dtypes import matmul_dtypes
 from models import bits
 
 LADDER = ("mixed_float16", "float32")
-X, Y = jnp.ones((4, 2)), jnp.zeros((4, 3))
+X = jnp.ones((4, 2))
 
-# Three frameworks: a plain optax loop holds (params, opt_state); a
-# jaxmp.flax.TrainState holds its policy; an nnx.Optimizer is switched in
-# place with its model (the model is None but for NNX). Each runs a tiny
-# model (nn.Dense(3) or NnxHead) whose float16 forward pass overflows on
-# large inputs.
+# A plain optax loop holds (params, opt_state); a TrainState, its policy; an
+# nnx.Optimizer is switched in place with its model (None but for NNX).
 FRAMEWORKS = ("optax", "train_state", "nnx")
 
 
 class NnxHead(nnx.Module):
-  def __init__(self, rngs, head_scale=1.0):
-    self.body = nnx.Linear(2, 4, rngs=rngs)
+  def __init__(self, rngs, head_scale=1.0, body_scale=None):
+    self.body = nnx.Linear(2, 4, rngs=rngs, **({} if body_scale is None else {
+        "kernel_init": nnx.initializers.constant(body_scale)}))
     self.head = nnx.Linear(4, 3, rngs=rngs, kernel_init=nnx.initializers.constant(head_scale))
 
   def __call__(self, x):
     return self.head(self.body(x))
 
 
-def _tx(loss_scale=None):
-  return jaxmp.loss_scaling(
-      optax.adam(1e-2), loss_scale or jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0))
+SCALE = jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0)
 
 
-def _run(framework, loss_scale=None):
+def _tx(loss_scale=None, learning_rate=1e-2):
+  return jaxmp.loss_scaling(optax.adam(learning_rate), loss_scale or SCALE)
+
+
+def _run(framework, loss_scale=None, model=None, x=X, loss=None, learning_rate=1e-2):
   """``(target, model, step, traces)`` of a run that starts in mixed_float16.
 
-  ``step(target, x, policy)`` returns the target after one update; ``traces``
-  grows by one each time the step is traced.
+  ``step(target, x, policy)`` returns the target after one update and the
+  gradients; ``traces`` grows by one each time the step is traced. The model
+  (default nn.Dense(3), NnxHead: in float16 they overflow on large inputs) is
+  initialized on ``x``; ``loss`` of its output, default the mean square.
   """
-  traces, model = [], nn.Dense(3)
-  params = model.init(jax.random.key(0), X)["params"]
-  if framework == "train_state":
-    state = jaxmp.flax.TrainState.create(
-        apply_fn=model.apply, params=params, tx=optax.adam(1e-2), policy="mixed_float16",
-        loss_scale=loss_scale or jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0))
-
-    @jax.jit
-    def state_step(state, x):
-      traces.append(None)
-      loss_fn = lambda params: jnp.mean((state.apply_fn({"params": params}, x) - Y) ** 2)
-      return state.apply_gradients(grads=state.value_and_grad(loss_fn)(state.params)[1])
-
-    return state, None, lambda state, x, _: state_step(state, x), traces
+  traces, loss = [], loss or (lambda out: jnp.mean(out.astype(jnp.float32) ** 2))
   if framework == "nnx":
-    model = NnxHead(nnx.Rngs(0))
+    model = model or NnxHead(nnx.Rngs(0))
     jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
 
     @nnx.jit
     def nnx_step(model, optimizer, x):
       traces.append(None)
       _, grads = jaxmp.scaled_value_and_grad(
-          lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2),
-          jaxmp.get_loss_scale(optimizer.opt_state), value_and_grad=nnx.value_and_grad)(model)
+          lambda m: loss(m(x)), jaxmp.get_loss_scale(optimizer.opt_state),
+          value_and_grad=nnx.value_and_grad)(model)
       optimizer.update(model, grads)
+      return grads
 
-    optimizer = nnx.Optimizer(model, _tx(loss_scale), wrt=nnx.Param)
-    return optimizer, model, lambda o, x, _: nnx_step(model, o, x) or o, traces
-  tx = _tx(loss_scale)
+    optimizer = nnx.Optimizer(model, _tx(loss_scale, learning_rate), wrt=nnx.Param)
+    return optimizer, model, lambda o, x, _: (o, nnx_step(model, o, x)), traces
+  model = model or nn.Dense(3)
+  params = jax.jit(model.init)(jax.random.key(0), x)["params"]
+  if framework == "train_state":
+    state = jaxmp.flax.TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.adam(learning_rate),
+        policy="mixed_float16", loss_scale=loss_scale or SCALE)
+
+    @jax.jit
+    def state_step(state, x):
+      traces.append(None)
+      _, grads = state.value_and_grad(lambda p: loss(state.apply_fn({"params": p}, x)))(
+          state.params)
+      return state.apply_gradients(grads=grads), grads
+
+    return state, None, lambda state, x, _: state_step(state, x), traces
+  tx = _tx(loss_scale, learning_rate)
 
   @functools.partial(jax.jit, static_argnames="policy")
   def optax_step(target, x, policy):
     traces.append(policy)
     (params, opt_state), cast = target, policy.cast_to_compute
-    loss_fn = lambda params: jnp.mean(
-        (policy.cast_to_output(model.apply({"params": cast(params)}, cast(x))) - Y) ** 2)
-    _, grads = jaxmp.scaled_value_and_grad(loss_fn, jaxmp.get_loss_scale(opt_state))(params)
+    _, grads = jaxmp.scaled_value_and_grad(
+        lambda p: loss(policy.cast_to_output(model.apply({"params": cast(p)}, cast(x)))),
+        jaxmp.get_loss_scale(opt_state))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+    return (optax.apply_updates(params, updates), opt_state), grads
 
   return (params, tx.init(params)), None, optax_step, traces
 
 
-@nnx.jit
-def _apply_gradients(target, model, grads):
-  """One update of any framework's state with ``grads`` (jitted: one compile)."""
-  if model is not None:  # an nnx.Optimizer
-    target.update(model, grads)  # in place
-  elif isinstance(target, tuple):  # a plain optax loop
-    params, opt_state = target
-    # The update reads the loss scale from the state, not from the tx.
-    updates, opt_state = _tx().update(grads, opt_state, params)
-    target = (optax.apply_updates(params, updates), opt_state)
-  else:  # a TrainState
-    target = target.apply_gradients(grads=grads)
-  return target
-
-
 def _overflowed(framework, overflows=2):
-  """A training state whose dynamic scale reached its floor, and its NNX model.
-
-  One finite step moved the params and moments, then ``overflows`` steps
-  overflowed: the first halved the scale to its floor, the others found it
-  there.
-  """
-  target, model, _, _ = _run(framework, jaxmp.DynamicLossScale(2.0, min_loss_scale=1.0))
-  ones = jax.tree_util.tree_map(jnp.ones_like, _kept(target, model)[0])
-  inf = jax.tree_util.tree_map(lambda g: g * jnp.inf, ones)
-  for grads in (ones, *[inf] * overflows):
-    target = _apply_gradients(target, model, grads)
+  """A training state whose dynamic scale reached its floor, and its NNX model:
+  one finite step moved the params and moments, then ``overflows`` large
+  batches overflowed: the first halved the scale to its floor, the others
+  found it there."""
+  target, model, step, _ = _run(framework, jaxmp.DynamicLossScale(2.0, min_loss_scale=1.0))
+  for x in (X, *[X * 1e5] * overflows):
+    target = step(target, x, jaxmp.get_policy("mixed_float16"))[0]
   return target, model
 
 
@@ -162,18 +146,15 @@ def _dot_dtypes(fn, *args):
   return [dtypes for _, dtypes in matmul_dtypes(fn, *args)]
 
 
-# -- The switch itself ----------------------------------------------------------
-
-
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_a_switch_replaces_the_loss_scale_only_when_the_policy_needs_none(framework):
   target, model = _overflowed(framework)
-  opt_state, kept = _opt_state(target), _kept(target, model)
+  opt_state, kept = _opt_state(target), bits(_kept(target, model))
   # A policy that would store the params in bfloat16 is refused (the switch
   # keeps the float32 params bit-identical), the target left as it was.
   with pytest.raises(ValueError):
     jaxmp.switch_precision(target, "bf16", model=model)
-  assert _opt_state(target) is opt_state and bits(_kept(target, model)) == bits(kept)
+  assert _opt_state(target) is opt_state and bits(_kept(target, model)) == kept
   _assert_in("mixed_float16", target, model)
   # A policy that still computes in float16: nothing to change, the scale stays.
   same = jaxmp.switch_precision(
@@ -183,7 +164,7 @@ def test_a_switch_replaces_the_loss_scale_only_when_the_policy_needs_none(framew
   new = _opt_state(switched)
   assert jaxmp.get_loss_scale(new) == jaxmp.NoOpLossScale()
   assert new.inner_state is opt_state.inner_state  # not even a copy
-  assert bits(_kept(switched, model)) == bits(kept)
+  assert bits(_kept(switched, model)) == kept
   before, after = jaxmp.loss_scaling_metrics(opt_state), jaxmp.loss_scaling_metrics(new)
   assert int(after["skipped_steps"]) == int(before["skipped_steps"]) == 2
   assert int(after["overflows_at_min"]) == 0  # a no-op scale has no floor
@@ -209,10 +190,8 @@ def test_a_switch_replaces_the_loss_scale_only_when_the_policy_needs_none(framew
 def test_switching_an_nnx_optimizer_needs_no_import_of_jaxmp_flax():
   # No registry that an import fills: `import jaxmp` alone switches NNX.
   code = """if True:
-    import sys
-    import jax.numpy as jnp, optax
+    import sys, jax.numpy as jnp, optax, jaxmp
     from flax import nnx
-    import jaxmp
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0), dtype=jnp.float16)
     optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(
         optax.sgd(0.1), jaxmp.DynamicLossScale()), wrt=nnx.Param)
@@ -225,11 +204,8 @@ def test_switching_an_nnx_optimizer_needs_no_import_of_jaxmp_flax():
                  cwd=pathlib.Path(__file__).resolve().parent.parent)
 
 
-# -- The controller -------------------------------------------------------------
-
-
 def test_the_controller_switches_on_overflows_at_the_minimum_scale(caplog):
-  tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0))
+  tx = jaxmp.loss_scaling(optax.sgd(0.1), SCALE)
   params, fallback, policies = {"w": jnp.ones(2)}, jaxmp.PrecisionFallback(LADDER, every=1), []
   opt_state = tx.init(params)
   with caplog.at_level(logging.WARNING, logger="jaxmp"):
@@ -307,16 +283,13 @@ def test_the_ladder_follows_the_hardware():
   assert jaxmp.PrecisionFallback(hardware=report).ladder == (f16, bf16)
 
 
-# -- A run that switches -------------------------------------------------------
-
-
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_a_run_switches_once_compiles_once_more_and_keeps_params_and_moments(framework):
   target, model, step, traces = _run(framework)
   fallback = jaxmp.PrecisionFallback(LADDER, every=1)
   policy = fallback.policy
   for i in range(1, 9):
-    target = step(target, X * (1e5 if i <= 4 else 1.0), policy)
+    target = step(target, X * (1e5 if i <= 4 else 1.0), policy)[0]
     kept = bits(_kept(target, model))
     if framework == "optax":  # the policy goes to the step, a static argument
       target, policy = fallback.update(target, step=i)
@@ -334,9 +307,6 @@ def test_a_run_switches_once_compiles_once_more_and_keeps_params_and_moments(fra
   _assert_in("float32", target, model)
   if framework == "optax":
     assert traces == [jaxmp.get_policy("mixed_float16"), jaxmp.get_policy("float32")]
-
-
-# -- Checkpoints ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
@@ -377,7 +347,7 @@ def test_a_checkpoint_resumes_the_controller_and_the_target_in_the_saved_policy(
       if framework != "optax":
         assert int(jax.tree_util.tree_leaves(restored.step)[0]) == 3
       # The restored state steps in float32 (a fresh jit: one trace).
-      restored = step(restored, X, resumed.policy)
+      restored = step(restored, X, resumed.policy)[0]
       assert len(traces) == 1
       assert bool(jaxmp.loss_scaling_metrics(_opt_state(restored))["last_finite"])
 
@@ -400,9 +370,6 @@ def test_a_checkpoint_records_a_policy_off_the_ladder(tmp_path):
     assert resumed.policy == fallback.policy == (
         jaxmp.get_policy(policy) if isinstance(policy, str) else policy)
     assert resumed.events == fallback.events and resumed.rung == 0
-
-
-# -- Promotion: the module that overflows ---------------------------------------
 
 
 def _wide_projection(key, shape, dtype=jnp.float32):
@@ -437,54 +404,23 @@ class NnxOneBadModule(nnx.Module):
     return self.head(nnx.relu(self.body(self.norm(x))))
 
 
-def _classifier(framework):
-  """``(target, model, step, forward, classes)`` of a classifier in mixed_float16:
-  ``step(target)`` trains on one batch and returns ``(target, grads)``;
-  ``forward(target)``, the call that ``find_overflowing_modules`` watches;
-  ``classes``, the model's module classes."""
-  x, loss_scale = jax.random.normal(jax.random.key(1), (8, 4)), jaxmp.DynamicLossScale(
-      2.0**3, min_loss_scale=1.0)
-  loss = lambda logits: optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), jnp.arange(8)).mean()
-  if framework == "linen":
-    params = jax.jit(OneBadModule().init)(jax.random.key(0), x)["params"]  # one compile
-    state = jaxmp.flax.TrainState.create(
-        apply_fn=OneBadModule().apply, params=params, tx=optax.adam(1e-4),
-        policy="mixed_float16", loss_scale=loss_scale)
-
-    @jax.jit
-    def step(state):
-      _, grads = state.value_and_grad(
-          lambda params: loss(state.apply_fn({"params": params}, x)))(state.params)
-      return state.apply_gradients(grads=grads), grads
-
-    return (state, None, step,
-            lambda state: (state.apply_fn, {"params": state.params}, x),
-            (OneBadModule, nn.LayerNorm, nn.Dense))
-  model = nnx.jit(lambda: NnxOneBadModule(nnx.Rngs(0)))()  # one compile, not op by op
-  jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
-  optimizer = nnx.Optimizer(
-      model, jaxmp.loss_scaling(optax.adam(1e-4), loss_scale), wrt=nnx.Param)
-
-  @nnx.jit
-  def nnx_step(model, optimizer):
-    _, grads = jaxmp.scaled_value_and_grad(
-        lambda m: loss(m(x)), jaxmp.get_loss_scale(optimizer.opt_state),
-        value_and_grad=nnx.value_and_grad)(model)
-    optimizer.update(model, grads)
-    return grads
-
-  return (optimizer, model, lambda optimizer: (optimizer, nnx_step(model, optimizer)),
-          lambda _: (model, x), (NnxOneBadModule, nnx.LayerNorm, nnx.Linear))
-
-
-@pytest.mark.parametrize("framework", ["linen", "nnx"])
+@pytest.mark.parametrize("framework", ["train_state", "nnx"])
 def test_only_the_overflowing_module_is_promoted_and_training_then_skips_nothing(
     framework):
-  target, model, step, forward, classes = _classifier(framework)
+  x = jax.random.normal(jax.random.key(1), (8, 4))
+  target, model, step, _ = _run(
+      framework, jaxmp.DynamicLossScale(2.0**3, min_loss_scale=1.0), x=x, learning_rate=1e-4,
+      model=(nnx.jit(lambda: NnxOneBadModule(nnx.Rngs(0)))()  # one compile, not op by op
+             if framework == "nnx" else OneBadModule()),
+      loss=lambda logits: optax.softmax_cross_entropy_with_integer_labels(
+          logits.astype(jnp.float32), jnp.arange(8)).mean())
+  forward = lambda t: (model, x) if model is not None else (
+      t.apply_fn, {"params": t.params}, x)
+  classes = ((NnxOneBadModule, nnx.LayerNorm, nnx.Linear) if model is not None
+             else (OneBadModule, nn.LayerNorm, nn.Dense))
   fallback = jaxmp.PrecisionFallback(LADDER, every=1)
   for _ in range(6):  # 8 -> 4 -> 2 -> 1, then an overflow at the floor
-    target, grads = step(target)
+    target, grads = step(target, x, None)
     if fallback.check(target) is not None:
       break
   assert fallback.check(target) == jaxmp.get_policy("float32")  # the next rung
@@ -510,7 +446,7 @@ def test_only_the_overflowing_module_is_promoted_and_training_then_skips_nothing
   loss_scale = jaxmp.get_loss_scale(_opt_state(target))
   assert isinstance(loss_scale, jaxmp.DynamicLossScale) and float(loss_scale.loss_scale) == 1.0
   for _ in range(4):
-    target, _ = step(target)
+    target = step(target, x, None)[0]
     assert fallback.check(target) is None  # the floor's count was the baseline
   assert int(jaxmp.loss_scaling_metrics(_opt_state(target))["skipped_steps"]) == skipped
   # head computes in float32, the rest still in float16, and nothing overflows.
@@ -522,21 +458,12 @@ def test_only_the_overflowing_module_is_promoted_and_training_then_skips_nothing
 
 class FeedsAFloat16Head(nn.Module):
   """body's float16 output (9e4) overflows; promoted to float32, that output
-  overflows the float16 head it feeds."""
+  overflows the float16 head it feeds (so does NnxHead's with body_scale=4e4)."""
 
   @nn.compact
   def __call__(self, x):
     h = nn.Dense(4, name="body", kernel_init=nn.initializers.constant(3e4))(x)
     return nn.Dense(2, name="head")(h)
-
-
-class NnxFeedsAFloat16Head(nnx.Module):
-  def __init__(self, rngs):
-    self.body = nnx.Linear(3, 4, kernel_init=nnx.initializers.constant(3e4), rngs=rngs)
-    self.head = nnx.Linear(4, 2, rngs=rngs)
-
-  def __call__(self, x):
-    return self.head(self.body(x))
 
 
 class DeclaredFloat16(nn.Module):  # the model's own dtype, as in Flax's examples
@@ -566,9 +493,8 @@ F16_F32 = [("float16", "float16"), ("float32", "float32")]
 PROMOTIONS = {  # the model, its batch, the base policy; what overflows, the proposal, its dots
     "downstream_linen": (lambda: _forward(FeedsAFloat16Head(), jnp.ones((1, 3))), "mixed_float16",
                          ("body",), {"body": "float32", "head": "float32"}, F16_F32[1:] * 2),
-    "downstream_nnx": (lambda: _forward(NnxFeedsAFloat16Head(nnx.Rngs(0)), jnp.ones((1, 3))),
-                       "mixed_float16", ("body",), {"body": "float32", "head": "float32"},
-                       F16_F32[1:] * 2),
+    "downstream_nnx": (lambda: _forward(NnxHead(nnx.Rngs(0), body_scale=4e4), X), "mixed_float16",
+                       ("body",), {"body": "float32", "head": "float32"}, F16_F32[1:] * 2),
     "over_a_declared_float16": (
         lambda: _forward(DeclaredFloat16(), jax.random.normal(jax.random.key(1), (8, 4))),
         "mixed_float16", ("head",), {"head": "float32"}, F16_F32),
@@ -603,21 +529,15 @@ def test_the_innermost_producer_is_reported_however_deep():
   """model -> block -> head: head produces the inf, and neither the block nor
   the model around it (whose outputs are inf too) is reported."""
 
-  class Block(nnx.Module):
-    def __init__(self, rngs):
-      self.head = NnxHead(rngs, head_scale=1e5)
+  class Calls(nnx.Module):  # its one child, by the name given
+    def __init__(self, **child):
+      ((self.child, module),) = child.items()
+      setattr(self, self.child, module)
 
     def __call__(self, x):
-      return self.head(x)
+      return getattr(self, self.child)(x)
 
-  class Model(nnx.Module):
-    def __init__(self, rngs):
-      self.block = Block(rngs)
-
-    def __call__(self, x):
-      return self.block(x)
-
-  model = Model(nnx.Rngs(0))
+  model = Calls(block=Calls(head=NnxHead(nnx.Rngs(0), head_scale=1e5)))
   jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
   report = jaxmp.flax.find_overflowing_modules(model, X)
   assert [c.path for c in report.calls if not c.outputs_finite] == [
