@@ -1,10 +1,9 @@
 """Falling back to a wider policy: the controller, the switch, promotion.
 
-Level 2 (``jaxmp.PrecisionFallback``, ``jaxmp.switch_precision``): the switch
-keeps params and optimizer state bit-identical, compiles the step once more,
-is logged and recorded, survives a checkpoint, for a plain optax loop, a
-``jaxmp.flax.TrainState`` and NNX. Level 3 (``find_overflowing_modules``): the
-module that overflows in float16 alone is promoted, and no step is skipped.
+Level 2 (``PrecisionFallback``, ``switch_precision``): the switch keeps params
+and optimizer state bit-identical, compiles the step once more, is logged and
+recorded, survives a checkpoint, for optax, a TrainState and NNX. Level 3
+(``find_overflowing_modules``): the module that overflows alone is promoted.
 """
 
 import dataclasses
@@ -47,18 +46,12 @@ class NnxHead(nnx.Module):
 SCALE = jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0)
 
 
-def _tx(loss_scale=None, learning_rate=1e-2):
-  return jaxmp.loss_scaling(optax.adam(learning_rate), loss_scale or SCALE)
-
-
 def _run(framework, loss_scale=None, model=None, x=X, loss=None, learning_rate=1e-2):
-  """``(target, model, step, traces)`` of a run that starts in mixed_float16.
-
+  """``(target, model, step, traces)`` of a run that starts in mixed_float16:
   ``step(target, x, policy)`` returns the target after one update and the
   gradients; ``traces`` grows by one each time the step is traced. The model
-  (default nn.Dense(3), NnxHead: in float16 they overflow on large inputs) is
-  initialized on ``x``; ``loss`` of its output, default the mean square.
-  """
+  (nn.Dense(3), NnxHead: in float16 they overflow on large inputs) is
+  initialized on ``x``; ``loss`` of its output, default the mean square."""
   traces, loss = [], loss or (lambda out: jnp.mean(out.astype(jnp.float32) ** 2))
   if framework == "nnx":
     model = model or NnxHead(nnx.Rngs(0))
@@ -73,7 +66,8 @@ def _run(framework, loss_scale=None, model=None, x=X, loss=None, learning_rate=1
       optimizer.update(model, grads)
       return grads
 
-    optimizer = nnx.Optimizer(model, _tx(loss_scale, learning_rate), wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(
+        optax.adam(learning_rate), loss_scale or SCALE), wrt=nnx.Param)
     return optimizer, model, lambda o, x, _: (o, nnx_step(model, o, x)), traces
   model = model or nn.Dense(3)
   params = jax.jit(model.init)(jax.random.key(0), x)["params"]
@@ -90,7 +84,7 @@ def _run(framework, loss_scale=None, model=None, x=X, loss=None, learning_rate=1
       return state.apply_gradients(grads=grads), grads
 
     return state, None, lambda state, x, _: state_step(state, x), traces
-  tx = _tx(loss_scale, learning_rate)
+  tx = jaxmp.loss_scaling(optax.adam(learning_rate), loss_scale or SCALE)
 
   @functools.partial(jax.jit, static_argnames="policy")
   def optax_step(target, x, policy):
@@ -106,19 +100,12 @@ def _run(framework, loss_scale=None, model=None, x=X, loss=None, learning_rate=1
 
 
 def _overflowed(framework, overflows=2):
-  """A training state whose dynamic scale reached its floor, and its NNX model:
-  one finite step moved the params and moments, then ``overflows`` large
-  batches overflowed: the first halved the scale to its floor, the others
-  found it there."""
+  """A state whose scale reached its floor, and its NNX model: one finite step,
+  then ``overflows`` large batches (the first halved the scale to its floor)."""
   target, model, step, _ = _run(framework, jaxmp.DynamicLossScale(2.0, min_loss_scale=1.0))
   for x in (X, *[X * 1e5] * overflows):
     target = step(target, x, jaxmp.get_policy("mixed_float16"))[0]
   return target, model
-
-
-def _at_the_floor(overflows=2):
-  """The optimizer state of a plain optax loop, as :func:`_overflowed` leaves it."""
-  return _opt_state(_overflowed("optax", overflows)[0])
 
 
 def _opt_state(target):
@@ -134,8 +121,11 @@ def _kept(target, model):
 
 
 def _assert_in(policy, target, model):
-  """A TrainState holds ``policy``; an NNX model computes in its dtype."""
+  """``policy`` held (a TrainState) or computed in (NNX), and its kind of loss scale."""
   policy = jaxmp.get_policy(policy)
+  scale = jaxmp.get_loss_scale(target)
+  assert (isinstance(scale, jaxmp.DynamicLossScale) if policy.needs_loss_scaling
+          else scale == jaxmp.NoOpLossScale())
   if model is not None:
     assert model.head.dtype == model.body.dtype == policy.compute_dtype
   elif not isinstance(target, tuple):  # a plain optax loop holds no policy
@@ -182,8 +172,8 @@ def test_a_switch_replaces_the_loss_scale_only_when_the_policy_needs_none(framew
   assert jax.tree_util.tree_structure(fresh) == jax.tree_util.tree_structure(new)
   assert jaxmp.get_loss_scale(fresh) == jaxmp.NoOpLossScale()
   if model is None:  # the TrainState's apply_fn runs under the new policy
-    assert _dot_dtypes(target.apply_fn, {"params": target.params}, X) == [("float16",) * 2]
-    assert _dot_dtypes(switched.apply_fn, {"params": switched.params}, X) == [("float32",) * 2]
+    assert [_dot_dtypes(s.apply_fn, {"params": s.params}, X) for s in (target, switched)] == [
+        [("float16",) * 2], [("float32",) * 2]]
 
 
 @pytest.mark.integration  # a fresh process: this one has imported jaxmp.flax
@@ -201,7 +191,7 @@ def test_switching_an_nnx_optimizer_needs_no_import_of_jaxmp_flax():
     assert "jaxmp.flax" not in sys.modules
   """
   subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
-                 cwd=pathlib.Path(__file__).resolve().parent.parent)
+                 cwd=pathlib.Path(__file__).resolve().parents[1])
 
 
 def test_the_controller_switches_on_overflows_at_the_minimum_scale(caplog):
@@ -220,8 +210,8 @@ def test_the_controller_switches_on_overflows_at_the_minimum_scale(caplog):
   assert [event._asdict() for event in fallback.events] == [dict(
       step=3, reason="1 overflow(s) at the minimum loss scale 1",
       old_policy="p=f32,c=f16,o=f32", new_policy="p=f32,c=f32,o=f32")]
-  assert fallback.policy == jaxmp.get_policy("float32") and fallback.rung == 1
-  assert fallback.next_policy is None
+  assert (fallback.policy, fallback.rung, fallback.next_policy) == (
+      jaxmp.get_policy("float32"), 1, None)
   (record,) = [r for r in caplog.records if "switching" in r.getMessage()]
   assert (record.levelno, record.getMessage()) == (logging.WARNING, (
       "jaxmp: step 3: switching from p=f32,c=f16,o=f32 to p=f32,c=f32,o=f32: "
@@ -231,21 +221,21 @@ def test_the_controller_switches_on_overflows_at_the_minimum_scale(caplog):
 
 
 def test_check_reads_every_n_steps_tolerates_overflows_and_answers_the_next_rung():
-  state = _at_the_floor(2)  # one overflow at the floor
+  state = _overflowed("optax")[0][1]  # the optimizer state: one overflow at the floor
   fallback = jaxmp.PrecisionFallback(LADDER, every=5)
   assert [fallback.check(state, step=step) for step in (1, 2, 3, 4)] == [None] * 4
-  assert fallback.monitor.records == []
   assert fallback.check(state, step=5) == jaxmp.get_policy("float32")
-  assert [r.step for r in fallback.monitor.records] == [5]
+  assert [r.step for r in fallback.monitor.records] == [5]  # read at the fifth step only
   assert fallback.events == [] and fallback.rung == 0  # check switches nothing
   tolerant = jaxmp.PrecisionFallback(LADDER, every=1, max_overflows_at_min=1)
   assert tolerant.check(state, step=1) is None
-  assert tolerant.check(_at_the_floor(3), step=2) == jaxmp.get_policy("float32")
+  assert tolerant.check(_overflowed("optax", 3)[0][1], step=2) == jaxmp.get_policy("float32")
 
 
 def test_the_overflow_rate_is_measured_over_a_whole_window_of_the_current_policy():
   # A static scale never reaches a floor: only the rate says float16 fails.
-  tx, params = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.StaticLossScale(2.0**10)), {"w": jnp.ones(2)}
+  tx, params = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.StaticLossScale(2.0**10)), {
+      "w": jnp.ones(2)}
   opt_state = tx.init(params)
   fallback = jaxmp.PrecisionFallback(("mixed_float16", "p=f32,c=f16,o=f16", "float32"),
                                      every=2, window=8, max_overflow_rate=0.25)
@@ -263,7 +253,7 @@ def test_the_overflow_rate_is_measured_over_a_whole_window_of_the_current_policy
 
 @pytest.mark.parametrize("ladder", [LADDER, ("mixed_float16",)])
 def test_raise_mode_raises_check_loss_scales_error(ladder):
-  state = _at_the_floor()
+  state = _overflowed("optax")[0][1]  # the optimizer state
   fallback = jaxmp.PrecisionFallback(ladder, every=1, on_failure="raise")
   with pytest.raises(jaxmp.LossScaleAtMinimumError) as raised:
     fallback.update(state, step=1)
@@ -286,8 +276,7 @@ def test_the_ladder_follows_the_hardware():
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_a_run_switches_once_compiles_once_more_and_keeps_params_and_moments(framework):
   target, model, step, traces = _run(framework)
-  fallback = jaxmp.PrecisionFallback(LADDER, every=1)
-  policy = fallback.policy
+  policy = (fallback := jaxmp.PrecisionFallback(LADDER, every=1)).policy
   for i in range(1, 9):
     target = step(target, X * (1e5 if i <= 4 else 1.0), policy)[0]
     kept = bits(_kept(target, model))
@@ -299,12 +288,11 @@ def test_a_run_switches_once_compiles_once_more_and_keeps_params_and_moments(fra
       assert bits(_kept(target, model)) == kept
   assert len(traces) == 2  # the float16 step and the float32 step, once each
   assert [e.step for e in fallback.events] == [3]
-  assert jaxmp.get_loss_scale(_opt_state(target)) == jaxmp.NoOpLossScale()
   # The fourth large batch, which float16 could not represent, trains in
   # float32: three steps were skipped, not four.
   metrics = jaxmp.loss_scaling_metrics(_opt_state(target))
   assert int(metrics["skipped_steps"]) == 3 and bool(metrics["last_finite"])
-  _assert_in("float32", target, model)
+  _assert_in("float32", target, model)  # its loss scale a NoOpLossScale
   if framework == "optax":
     assert traces == [jaxmp.get_policy("mixed_float16"), jaxmp.get_policy("float32")]
 
@@ -322,11 +310,11 @@ def test_a_checkpoint_resumes_the_controller_and_the_target_in_the_saved_policy(
       assert fallback.policy == jaxmp.get_policy("float32")
     jaxmp.flax.save_checkpoint(tmp_path / name, checkpointed(target, model), fallback=fallback)
     saved[name] = bits((_kept(target, model), _opt_state(target))), list(fallback.events)
+  # Into a target built in float16, as at the start of the run; abstract:
+  # only shapes and dtypes (jax.eval_shape, nnx.eval_shape).
+  build = lambda: _run(framework, jaxmp.DynamicLossScale(2.0, min_loss_scale=1.0))
   for name, abstract in [("before", False), ("after", False), ("after", True)]:
     resumed = jaxmp.PrecisionFallback(LADDER, every=1)  # a new process
-    # Into a target built in float16, as at the start of the run; abstract:
-    # only shapes and dtypes (jax.eval_shape, nnx.eval_shape).
-    build = lambda: _run(framework, jaxmp.DynamicLossScale(2.0, min_loss_scale=1.0))
     if abstract:
       eval_shape = nnx.eval_shape if framework == "nnx" else jax.eval_shape
       (target, model), step = eval_shape(lambda: build()[:2]), None
@@ -335,14 +323,11 @@ def test_a_checkpoint_resumes_the_controller_and_the_target_in_the_saved_policy(
     restored = jaxmp.flax.restore_checkpoint(
         tmp_path / name, checkpointed(target, model), fallback=resumed)
     restored = restored if model is None else restored[1]
-    arrays, events = saved[name]
     policy = jaxmp.get_policy("float32" if name == "after" else "mixed_float16")
-    assert resumed.events == events and resumed.policy == policy
-    assert resumed.rung == (1 if name == "after" else 0)
+    assert (resumed.events, resumed.policy, resumed.rung) == (
+        saved[name][1], policy, int(name == "after"))
     _assert_in(policy, restored, model)
-    assert isinstance(jaxmp.get_loss_scale(_opt_state(restored)), (
-        jaxmp.NoOpLossScale if name == "after" else jaxmp.DynamicLossScale))
-    assert bits((_kept(restored, model), _opt_state(restored))) == arrays
+    assert bits((_kept(restored, model), _opt_state(restored))) == saved[name][0]
     if name == "after" and not abstract:
       if framework != "optax":
         assert int(jax.tree_util.tree_leaves(restored.step)[0]) == 3
@@ -353,13 +338,11 @@ def test_a_checkpoint_resumes_the_controller_and_the_target_in_the_saved_policy(
 
 
 def test_a_checkpoint_records_a_policy_off_the_ladder(tmp_path):
-  # A policy given to fallback.switch (a proposed ModulePolicy, say) is
-  # recorded whole: module classes by their import name, patterns, options.
-  state = _at_the_floor()
+  # A policy given to fallback.switch (a proposal, say) is recorded whole.
+  state = _overflowed("optax")[0][1]  # the optimizer state
   for i, policy in enumerate([
-      jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32", "head": "float32"},
-                              default="mixed_float16", first_match=True,
-                              override_dtype=(nn.Dense,)),
+      jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32", "head": "float32"}, default="mixed_float16",
+                              first_match=True, override_dtype=(nn.Dense,)),
       jaxmp.PathPolicy({"kernel": "float32"}, default="mixed_float16"),
       "p=f32,c=f16,o=f16"]):
     fallback = jaxmp.PrecisionFallback(LADDER)
@@ -375,8 +358,7 @@ def test_a_checkpoint_records_a_policy_off_the_ladder(tmp_path):
 def _wide_projection(key, shape, dtype=jnp.float32):
   """Each output is about 1000 times the sum of its inputs (a class-wise tilt)."""
   del key
-  tilt = 1.0 + 0.01 * jnp.arange(shape[1], dtype=dtype)
-  return 1e3 * jnp.ones(shape, dtype) * tilt
+  return 1e3 * jnp.ones(shape, dtype) * (1.0 + 0.01 * jnp.arange(shape[1], dtype=dtype))
 
 
 class OneBadModule(nn.Module):
@@ -387,14 +369,11 @@ class OneBadModule(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    h = nn.LayerNorm(name="norm")(x)
-    h = nn.relu(nn.Dense(512, name="body")(h))
+    h = nn.relu(nn.Dense(512, name="body")(nn.LayerNorm(name="norm")(x)))
     return nn.Dense(8, name="head", kernel_init=_wide_projection)(h)
 
 
-class NnxOneBadModule(nnx.Module):
-  """:class:`OneBadModule` in NNX."""
-
+class NnxOneBadModule(nnx.Module):  # OneBadModule in NNX
   def __init__(self, rngs):
     self.norm = nnx.LayerNorm(4, rngs=rngs)
     self.body = nnx.Linear(4, 512, rngs=rngs)
@@ -414,8 +393,7 @@ def test_only_the_overflowing_module_is_promoted_and_training_then_skips_nothing
              if framework == "nnx" else OneBadModule()),
       loss=lambda logits: optax.softmax_cross_entropy_with_integer_labels(
           logits.astype(jnp.float32), jnp.arange(8)).mean())
-  forward = lambda t: (model, x) if model is not None else (
-      t.apply_fn, {"params": t.params}, x)
+  forward = lambda t: (model, x) if model is not None else (t.apply_fn, {"params": t.params}, x)
   classes = ((NnxOneBadModule, nnx.LayerNorm, nnx.Linear) if model is not None
              else (OneBadModule, nn.LayerNorm, nn.Dense))
   fallback = jaxmp.PrecisionFallback(LADDER, every=1)
@@ -509,10 +487,8 @@ PROMOTIONS = {  # the model, its batch, the base policy; what overflows, the pro
 
 @pytest.mark.parametrize("case", PROMOTIONS)
 def test_the_proposed_policy_promotes_what_overflows_and_runs_finite_on_its_batch(case):
-  """The modules that produce the first inf, and then those it overflows
-  downstream (run in float16 on the proposal's outputs), over the model's own
-  dtype and keeping a ModulePolicy's rules; the whole model when its own
-  operation overflows."""
+  """The modules that produce the first inf and those it overflows downstream,
+  over a declared dtype, keeping a ModulePolicy's rules; or the whole model."""
   forward, base, modules, rules, dots = PROMOTIONS[case]
   forward = forward()
   report = jaxmp.flax.find_overflowing_modules(*forward(base))
@@ -526,8 +502,7 @@ def test_the_proposed_policy_promotes_what_overflows_and_runs_finite_on_its_batc
 
 
 def test_the_innermost_producer_is_reported_however_deep():
-  """model -> block -> head: head produces the inf, and neither the block nor
-  the model around it (whose outputs are inf too) is reported."""
+  """model -> block -> head: head produces the inf; the block and model around it are not."""
 
   class Calls(nnx.Module):  # its one child, by the name given
     def __init__(self, **child):
