@@ -109,10 +109,8 @@ class DeclaredFloat32(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    x = nn.Conv(4, (3, 3), dtype=self.dtype)(x)
-    x = nn.LayerNorm(dtype=self.dtype)(x)
-    x = x.reshape((x.shape[0], -1))
-    x = SetupBlock(dtype=self.dtype)(x)
+    x = nn.LayerNorm(dtype=self.dtype)(nn.Conv(4, (3, 3), dtype=self.dtype)(x))
+    x = SetupBlock(dtype=self.dtype)(x.reshape((x.shape[0], -1)))
     return nn.Dense(3, dtype=self.dtype, name="head")(x)
 
 
@@ -140,8 +138,7 @@ class NnxDeclaredFloat32(nnx.Module):
 
   def __call__(self, x):
     x = self.norm(self.conv(x))
-    x = nnx.relu(self.block(x.reshape((x.shape[0], -1))))
-    return self.head(x)
+    return self.head(nnx.relu(self.block(x.reshape((x.shape[0], -1)))))
 
 
 class Traced(NamedTuple):
@@ -289,23 +286,6 @@ class ScanCell(nn.Module):
     return carry, carry
 
 
-def test_linen_lifted_transforms():
-  # In a scan the carry keeps its dtype, so the float32 LayerNorm hands its
-  # output back in the surrounding compute dtype (output dtype bfloat16).
-  policy = jaxmp.flax.ModulePolicy({nn.LayerNorm: "p=f32,c=f32,o=bf16"},
-                                   default="mixed_bfloat16")
-  model = nn.Sequential([nn.remat(nn.Dense)(4), lambda x: nn.scan(
-      ScanCell, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)()(
-          x, jnp.zeros((2,)))[0]])
-  x = jnp.ones((2, 4))
-  params = jax.jit(model.init)(jax.random.key(0), x)["params"]
-  apply = policy.wrap_apply(model.apply)
-  assert apply({"params": params}, x).dtype == F32
-  grads = jax.jit(jax.grad(lambda p: apply({"params": p}, x).sum()))(params)
-  chex.assert_trees_all_equal_shapes_and_dtypes(grads, params)
-  assert all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(grads))
-
-
 def test_jit_hashable_and_str():
   a = jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_bfloat16")
   b = jaxmp.flax.ModulePolicy([(nn.LayerNorm, "f32")], default="p=f32,c=bf16,o=f32")
@@ -361,6 +341,7 @@ def output_dtypes(policy, model, variables, x):
 
 
 def test_declared_dtypes_win_unless_override_dtype_makes_every_conv_and_matmul_float16():
+  """override_dtype=True overrides every layer; a tuple, the layers of those classes."""
   model, x, variables = declared_model()
   plain = jaxmp.flax.ModulePolicy({}, default="mixed_float16")
   policy = jaxmp.flax.ModulePolicy({}, default="mixed_float16", override_dtype=True)
@@ -390,17 +371,12 @@ def test_declared_dtypes_win_unless_override_dtype_makes_every_conv_and_matmul_f
   new_state, loss = jax.jit(train_step)(state)
   assert np.isfinite(loss) and bool(new_state.metrics["last_finite"])
   assert {p.dtype for p in jax.tree_util.tree_leaves(new_state.params)} == {F32}
-
-
-def test_override_dtype_for_chosen_classes_only():
-  model, x, variables = declared_model()
-  policy = jaxmp.flax.ModulePolicy({}, default="mixed_float16", override_dtype=(nn.Dense,))
-  # The model's own dtype (passed to the Conv) is not overridden; the Dense
-  # layers' is, the one built in setup too.
-  assert matmul_dtypes(policy.wrap_apply(model.apply), variables, x) == [
-      (CONV, ("float32", "float32")), (DOT, ("float16", "float16")),
-      (DOT, ("float16", "float16"))]
-  # Overriding the model class passes the compute dtype on to its layers.
+  # For chosen classes only: the model's own dtype (passed to the Conv) is not
+  # overridden, the Dense layers' is (the one built in setup too); overriding
+  # the model class passes the compute dtype on to its layers.
+  chosen = jaxmp.flax.ModulePolicy({}, default="mixed_float16", override_dtype=(nn.Dense,))
+  assert matmul_dtypes(chosen.wrap_apply(model.apply), variables, x) == [
+      (CONV, ("float32",) * 2), (DOT, ("float16",) * 2), (DOT, ("float16",) * 2)]
   by_model = jaxmp.flax.ModulePolicy({}, default="mixed_float16",
                                      override_dtype=(DeclaredFloat32,))
   assert input_dtypes(by_model.wrap_apply(model.apply), variables, x) == {"float16"}
@@ -427,26 +403,23 @@ def test_a_declared_dtype_the_policy_does_not_override_is_reported_once_per_trac
   model, x, traces = DeclaredHead(declared), jnp.ones((2, 3)), []
   params = model.init(jax.random.key(0), x)["params"]
 
-  def step_of(**kwargs):
+  def step_of(**kwargs):  # value_and_grad of a TrainState, jitted; its apply_fn
     state = jaxmp.flax.TrainState.create(
         apply_fn=model.apply, params=params, tx=optax.sgd(0.1), **kwargs)
 
-    def step(state, x):
-      def loss_fn(p, x):
-        traces.append(None)
-        return jnp.mean(state.apply_fn({"params": p}, x) ** 2)
-      return state.value_and_grad(loss_fn)(state.params, x)
+    def loss_fn(p, x):
+      traces.append(None)
+      return jnp.mean(state.apply_fn({"params": p}, x) ** 2)
 
-    return functools.partial(jax.jit(step), state)
+    return functools.partial(jax.jit(state.value_and_grad(loss_fn)), state.params), state.apply_fn
 
-  step = step_of(policy=policy)
+  step, apply_fn = step_of(policy=policy)
   with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter("always")
     step(x)
     step(x)  # no new trace: no new report
     # The head's own dtype wins over its policy.
-    assert matmul_dtypes(step.args[0].apply_fn, {"params": params}, x)[1] == (
-        DOT, (declared.name, declared.name))
+    assert matmul_dtypes(apply_fn, {"params": params}, x)[1] == (DOT, (declared.name,) * 2)
   warned = [w for w in record if issubclass(w.category, jaxmp.PrecisionWarning)]
   message = str(warned[0].message)
   assert len(traces) == 1 and len(warned) == 2  # the step's, once; matmul_dtypes'
@@ -462,7 +435,7 @@ def test_a_declared_dtype_the_policy_does_not_override_is_reported_once_per_trac
         {"policy": jaxmp.PathPolicy({"^head/": declared.name}, default="mixed_float16")},
         {"policy": jaxmp.flax.ModulePolicy({}, default="mixed_float16", override_dtype=True)},
         {} if isinstance(policy, jaxmp.PathPolicy) else {"policy": policy, "autocast": True}):
-      step_of(**kwargs)(x)
+      step_of(**kwargs)[0](x)
 
 
 # The policy's fields: each module that gets them runs as a copy.
@@ -517,16 +490,23 @@ def run_every_binding(policy):
 def test_a_module_given_the_policys_dtype_keeps_its_variables_and_rngs():
   """Under float32 every layer (dtype=None) is given dtype=float32: each runs
   as a copy bound to its variables, and init, the output (dropout included)
-  and the new batch statistics are bit for bit those of the plain model."""
+  and the new batch statistics are bit for bit those of the plain model.
+  Under bfloat16, lifted too, it trains: in the scan the carry keeps its dtype,
+  so the float32 LayerNorm hands its output back in bfloat16."""
   policy = jaxmp.flax.ModulePolicy({}, default="float32", override_dtype=True)
-  chex.assert_trees_all_equal(run_every_binding(policy), run_every_binding(None))
-  half = jaxmp.flax.ModulePolicy({}, default="mixed_bfloat16", override_dtype=True)
-  model, tokens = EveryBinding(), jnp.ones((2, 3), jnp.int32)
-  variables = jax.eval_shape(model.init, jax.random.key(0), tokens)  # traced only
-  assert {d for _, d in matmul_dtypes(functools.partial(
-      half.wrap_apply(model.apply), mutable=["batch_stats"],
-      rngs={"dropout": jax.random.key(2)}), variables, tokens)} == {
-          ("bfloat16", "bfloat16")}
+  ran = run_every_binding(policy)
+  chex.assert_trees_all_equal(ran, run_every_binding(None))
+  half = jaxmp.flax.ModulePolicy({nn.LayerNorm: "p=f32,c=f32,o=bf16"}, default="mixed_bfloat16",
+                                 override_dtype=True)
+  variables, tokens = ran[0], jnp.array([[1, 2, 3], [4, 5, 6]])
+  apply = functools.partial(half.wrap_apply(EveryBinding().apply), mutable=["batch_stats"],
+                            rngs={"dropout": jax.random.key(2)})
+  assert {d for _, d in matmul_dtypes(apply, variables, tokens)} == {("bfloat16", "bfloat16")}
+  assert jax.eval_shape(apply, variables, tokens)[0].dtype == F32
+  grads = jax.jit(jax.grad(lambda p: apply({**variables, "params": p}, tokens)[0].sum()))(
+      variables["params"])
+  chex.assert_trees_all_equal_shapes_and_dtypes(grads, variables["params"])
+  assert all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(grads))
 
 
 def fields(module):
