@@ -9,8 +9,9 @@ tests/test_bad_input.py.
 
 import dataclasses
 import functools
+import types
 import warnings
-from typing import Any, NamedTuple
+from typing import Any
 
 import chex
 import flax.linen as nn
@@ -64,9 +65,6 @@ def assert_computes_in_float32(eqns, input_dtype):
   assert [(np.dtype(e.invars[0].aval.dtype), e.params["new_dtype"]) for e in converts] == [
       (input_dtype, F32)]
   assert float_out_dtypes(eqns) == {F32}
-
-
-# Linen and NNX: each promise once, over both, with one model of each.
 
 
 class LinenBlock(nn.Module):
@@ -141,16 +139,11 @@ class NnxDeclaredFloat32(nnx.Module):
     return self.head(nnx.relu(self.block(x.reshape((x.shape[0], -1)))))
 
 
-class Traced(NamedTuple):
-  jaxpr: Any  # of the forward pass
-  grads: set  # the dtypes of the gradients
-  report: dict | None  # what set_nnx_dtypes set (NNX)
-
-
 def trace(framework, model, policy, x):
-  """The model (a key of MODELS) under the policy, traced: nothing runs or
-  compiles. Linen: ``policy.wrap_apply(model.apply)``, the model's own fields
-  stay; NNX: ``policy.set_nnx_dtypes(model)``, which sets each layer's dtype."""
+  """The model (a key of MODELS) under the policy, traced (nothing runs): the
+  jaxpr of its forward pass, its gradients' dtypes and (NNX) what
+  set_nnx_dtypes set. Linen: ``policy.wrap_apply(model.apply)``, the model's
+  own fields stay; NNX: ``policy.set_nnx_dtypes(model)`` sets each layer's dtype."""
   model, report = MODELS[framework][model], None
   if framework == "linen":
     apply = policy.wrap_apply(model().apply)
@@ -162,8 +155,8 @@ def trace(framework, model, policy, x):
     graphdef, params = nnx.split(model)
     forward = lambda p, x: nnx.merge(graphdef, p)(x)
   grads = jax.eval_shape(jax.grad(lambda p: forward(p, x).astype(F32).sum()), params)
-  return Traced(jax.make_jaxpr(forward)(params, x),
-                {g.dtype for g in jax.tree_util.tree_leaves(grads)}, report)
+  return types.SimpleNamespace(jaxpr=jax.make_jaxpr(forward)(params, x), report=report,
+                               grads={g.dtype for g in jax.tree_util.tree_leaves(grads)})
 
 
 MODELS = {"linen": {"LayerNorm": nn.LayerNorm, "Block": LinenBlock, "Nested": LinenNested,
@@ -232,9 +225,6 @@ def test_layers_built_with_float32_compute_in_float16_but_a_float32_rule_holds(f
   # The LayerNorm converts only its float16 input; the gradients are float32.
   assert_computes_in_float32(after_each_product(traced.jaxpr)[0], F16)
   assert traced.grads == {F32}
-
-
-# Linen only.
 
 
 @functools.cache
@@ -315,29 +305,11 @@ def test_jit_hashable_and_str():
       model.apply)(variables, x), model.apply(variables, x))
 
 
-# The model's own dtype: override_dtype.
-
-
 @functools.cache
 def declared_model():
   model = DeclaredFloat32()
   x = jnp.linspace(-1.0, 1.0, 2 * 5 * 5 * 3).reshape(2, 5, 5, 3)
   return model, x, jax.jit(model.init)(jax.random.key(0), x)
-
-
-def output_dtypes(policy, model, variables, x):
-  """The dtype each submodule of the root returns, under the policy."""
-  seen = {}
-
-  def capture(next_fun, args, kwargs, context):
-    out = next_fun(*args, **kwargs)
-    if context.method_name == "__call__" and len(context.module.scope.path) == 1:
-      seen[context.module.name] = np.dtype(out.dtype)
-    return out
-
-  with nn.intercept_methods(capture):  # traced: the dtypes, not the values
-    jax.eval_shape(policy.wrap_apply(model.apply), variables, x)
-  return seen
 
 
 def test_declared_dtypes_win_unless_override_dtype_makes_every_conv_and_matmul_float16():
@@ -352,21 +324,21 @@ def test_declared_dtypes_win_unless_override_dtype_makes_every_conv_and_matmul_f
     assert matmul_dtypes(jax.value_and_grad(loss), variables["params"]) == [
         (name, (dtype, dtype)) for name in names]
     # The LayerNorm returns float16 with the override; without, float32.
-    assert output_dtypes(p, model, variables, x) == dict.fromkeys(
-        ("Conv_0", "LayerNorm_0", "SetupBlock_0", "head"), np.dtype(dtype))
+    _, state = jax.eval_shape(lambda v: apply(v, x, capture_intermediates=True), variables)
+    assert {name: np.dtype(out["__call__"][0].dtype) for name, out in state[
+        "intermediates"].items() if name != "__call__"} == dict.fromkeys(
+            ("Conv_0", "LayerNorm_0", "SetupBlock_0", "head"), np.dtype(dtype))
   # The model's own fields are untouched (the gradients' dtypes: the test above).
   assert model.dtype is jnp.float32
   assert input_dtypes(model.apply, variables, x) == {"float32"}  # without the policy
   # A TrainState under the policy trains its float32 params in float16.
   state = jaxmp.flax.TrainState.create(
       apply_fn=model.apply, params=variables["params"], tx=optax.sgd(0.1), policy=policy)
-
+  loss_fn = lambda params: optax.softmax_cross_entropy_with_integer_labels(
+      state.apply_fn({"params": params}, x), jnp.array([0, 2])).mean()
   def train_step(state):
-    loss_fn = lambda params: optax.softmax_cross_entropy_with_integer_labels(
-        state.apply_fn({"params": params}, x), jnp.array([0, 2])).mean()
     loss, grads = state.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), loss
-
   assert input_dtypes(train_step, state) == {"float16"}
   new_state, loss = jax.jit(train_step)(state)
   assert np.isfinite(loss) and bool(new_state.metrics["last_finite"])
@@ -436,9 +408,6 @@ def test_a_declared_dtype_the_policy_does_not_override_is_reported_once_per_trac
         {"policy": jaxmp.flax.ModulePolicy({}, default="mixed_float16", override_dtype=True)},
         {} if isinstance(policy, jaxmp.PathPolicy) else {"policy": policy, "autocast": True}):
       step_of(**kwargs)[0](x)
-
-
-# The policy's fields: each module that gets them runs as a copy.
 
 
 class EveryBinding(nn.Module):
