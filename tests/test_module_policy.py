@@ -159,10 +159,10 @@ def trace(framework, model, policy, x):
                                grads={g.dtype for g in jax.tree_util.tree_leaves(grads)})
 
 
-MODELS = {"linen": {"LayerNorm": nn.LayerNorm, "Block": LinenBlock, "Nested": LinenNested,
-                    "Declared": DeclaredFloat32},
-          "nnx": {"LayerNorm": nnx.LayerNorm, "Block": NnxBlock, "Nested": NnxNested,
-                  "Declared": NnxDeclaredFloat32}}
+MODELS = {"linen": {"LayerNorm": nn.LayerNorm, "Dense": nn.Dense, "Block": LinenBlock,
+                    "Nested": LinenNested, "Declared": DeclaredFloat32},
+          "nnx": {"LayerNorm": nnx.LayerNorm, "Dense": nnx.Linear, "Block": NnxBlock,
+                  "Nested": NnxNested, "Declared": NnxDeclaredFloat32}}
 frameworks = pytest.mark.parametrize("framework", sorted(MODELS))
 X = jnp.ones((2, 3))
 
@@ -190,8 +190,9 @@ def test_a_class_rule_keeps_the_layernorms_in_float32_and_the_dense_layers_in_bf
 
 @frameworks
 def test_rules_by_name_by_path_and_by_an_enclosing_block(framework):
-  def traced(rules):
-    return trace(framework, "Nested", jaxmp.flax.ModulePolicy(rules, default="mixed_bfloat16"), X)
+  def traced(rules, **kwargs):
+    kwargs = {"default": "mixed_bfloat16", **kwargs}
+    return trace(framework, "Nested", jaxmp.flax.ModulePolicy(rules, **kwargs), X)
 
   def dots(traced):  # of block0/dense, block1/dense, head
     return [dtypes for _, dtypes in products(traced.jaxpr)]
@@ -205,6 +206,12 @@ def test_rules_by_name_by_path_and_by_an_enclosing_block(framework):
   assert dots(by_block) == [full, half, half]
   assert float_out_dtypes(after_each_product(by_block.jaxpr)[0]) == {F32}  # its LayerNorm
   assert dots(traced({MODELS[framework]["Block"]: "float32"})) == [full, full, half]
+  # Overlapping rules resolve by first_match (without it they raise: the
+  # catalogue's "ModulePolicy: overlapping rules"); default=None leaves the
+  # other layers alone.
+  assert dots(traced([("block1/dense", "float32"), (MODELS[framework]["Dense"], "bf16")],
+                     default="float32", first_match=True)) == [half, full, half]
+  assert dots(traced({"head": "bf16"}, default=None)) == [full, full, half]
   if framework == "nnx":  # what set_nnx_dtypes set
     assert by_name.report["head"] == "p=f32,c=f32,o=f32"
     assert by_name.report["block1/dense"] == "p=f32,c=bf16,o=f32"
@@ -230,42 +237,6 @@ def test_layers_built_with_float32_compute_in_float16_but_a_float32_rule_holds(f
 @functools.cache
 def mlp_variables():
   return jax.jit(LinenMLP().init)(jax.random.key(0), jnp.ones((2, 4)))
-
-
-@pytest.mark.parametrize("policy, dots", [
-    # Without first_match the overlap raises: the catalogue's "ModulePolicy: overlapping rules".
-    (jaxmp.flax.ModulePolicy([("Dense_1", "float32"), (nn.Dense, "bf16")], default="float32",
-                             first_match=True), ["bfloat16", "float32"]),
-    (jaxmp.flax.ModulePolicy({"Dense_1": "bf16"}, default=None), ["float32", "bfloat16"])],
-    ids=["first_match", "default_none"])
-def test_linen_first_match_resolves_an_overlap_and_default_none_leaves_others_alone(
-    policy, dots):
-  apply = policy.wrap_apply(LinenMLP().apply)
-  assert matmul_dtypes(apply, mlp_variables(), jnp.ones((2, 4))) == [(DOT, (d, d)) for d in dots]
-
-
-def test_linen_float32_module_sees_exact_float32_params():
-  # A LayerNorm scale of 1 + 2**-10 is not a bfloat16 number: the float32
-  # LayerNorm must use it unrounded, as a float32 LayerNorm alone would.
-  x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
-  params = {**mlp_variables()["params"], "LayerNorm_0": {
-      "scale": jnp.full((16,), 1.0 + 2.0**-10), "bias": jnp.zeros(16)}}
-  captured = {}
-
-  def capture(next_fun, args, kwargs, context):
-    out = next_fun(*args, **kwargs)
-    if isinstance(context.module, nn.LayerNorm):
-      captured["input"], captured["out"] = args[0], out
-    return out
-
-  policy = jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_bfloat16")
-  with nn.intercept_methods(capture):
-    policy.wrap_apply(LinenMLP().apply)({"params": params}, x)
-  assert captured["input"].dtype == BF16  # what the bfloat16 Dense produced
-  norm = lambda scale: nn.LayerNorm().apply(
-      {"params": {**params["LayerNorm_0"], "scale": scale}}, captured["input"].astype(F32))
-  chex.assert_trees_all_equal(captured["out"], norm(params["LayerNorm_0"]["scale"]))
-  assert not np.array_equal(captured["out"], norm(jnp.ones(16)))  # rounded, it differs
 
 
 class ScanCell(nn.Module):
