@@ -1,10 +1,8 @@
 """Tests of jaxmp.flax.ModulePolicy: per-module policies for Linen and NNX.
 
-The dtypes each module computes in are read off the jaxpr, not inferred from
-outputs. A promise that holds in both frameworks is tested once, over both
-(an adapter per framework traces its model under the policy), and the
-equations are split at the matrix products. The error messages live in
-tests/test_bad_input.py.
+The dtypes each module computes in are read off the jaxpr (split at the matrix
+products), not inferred from outputs; a promise of both frameworks is tested
+once over both. The error messages live in tests/test_bad_input.py.
 """
 
 import dataclasses
@@ -140,10 +138,8 @@ class NnxDeclaredFloat32(nnx.Module):
 
 
 def trace(framework, model, policy, x):
-  """The model (a key of MODELS) under the policy, traced (nothing runs): the
-  jaxpr of its forward pass, its gradients' dtypes and (NNX) what
-  set_nnx_dtypes set. Linen: ``policy.wrap_apply(model.apply)``, the model's
-  own fields stay; NNX: ``policy.set_nnx_dtypes(model)`` sets each layer's dtype."""
+  """The model (a key of MODELS) under the policy (Linen: wrap_apply; NNX:
+  set_nnx_dtypes), traced: its forward jaxpr, gradients' dtypes, NNX report."""
   model, report = MODELS[framework][model], None
   if framework == "linen":
     apply = policy.wrap_apply(model().apply)
@@ -366,9 +362,9 @@ def test_a_declared_dtype_the_policy_does_not_override_is_reported_once_per_trac
   warned = [w for w in record if issubclass(w.category, jaxmp.PrecisionWarning)]
   message = str(warned[0].message)
   assert len(traces) == 1 and len(warned) == 2  # the step's, once; matmul_dtypes'
-  assert f"'head' declares dtype={declared.name}, its policy computes in {computes.name}" in message
-  assert "Drop dtype=" in message and "override_dtype=True" in message
-  assert f"ModulePolicy({{'head': '{declared.name}'}}" in message
+  assert all(part in message for part in (
+      f"'head' declares dtype={declared.name}, its policy computes in {computes.name}",
+      "Drop dtype=", "override_dtype=True", f"ModulePolicy({{'head': '{declared.name}'}}"))
   assert warned[0].filename == __file__  # points at the call of the model
   # Kept on purpose by a rule, overridden, or autocast: nothing to report.
   with warnings.catch_warnings():
@@ -428,11 +424,10 @@ def run_every_binding(policy):
 
 
 def test_a_module_given_the_policys_dtype_keeps_its_variables_and_rngs():
-  """Under float32 every layer (dtype=None) is given dtype=float32: each runs
-  as a copy bound to its variables, and init, the output (dropout included)
-  and the new batch statistics are bit for bit those of the plain model.
-  Under bfloat16, lifted too, it trains: in the scan the carry keeps its dtype,
-  so the float32 LayerNorm hands its output back in bfloat16."""
+  """Given dtype=float32, every layer runs as a copy bound to its variables:
+  init, output (dropout included) and new batch statistics bit for bit as the
+  plain model's. In bfloat16 it trains; in the scan the carry keeps its dtype
+  (the float32 LayerNorm returns bfloat16)."""
   policy = jaxmp.flax.ModulePolicy({}, default="float32", override_dtype=True)
   ran = run_every_binding(policy)
   chex.assert_trees_all_equal(ran, run_every_binding(None))
