@@ -295,7 +295,8 @@ def test_declared_dtypes_win_unless_override_dtype_makes_every_conv_and_matmul_f
     assert {name: np.dtype(out["__call__"][0].dtype) for name, out in state[
         "intermediates"].items() if name != "__call__"} == dict.fromkeys(
             ("Conv_0", "LayerNorm_0", "SetupBlock_0", "head"), np.dtype(dtype))
-  # The model's own fields are untouched (the gradients' dtypes: the test above).
+  # The model's own fields are untouched (the gradients' float32: test_layers_built_with_
+  # float32_compute_in_float16_but_a_float32_rule_holds).
   assert model.dtype is jnp.float32
   assert input_dtypes(model.apply, variables, x) == {"float32"}  # without the policy
   # A TrainState under the policy trains its float32 params in float16.
