@@ -8,7 +8,8 @@
 * ``LinenBatchNormMLP`` and ``NnxBatchNormMLP``: Dense(8), BatchNorm, relu,
   Dense(3), whose batch statistics a skipped step must keep.
 
-Each file's own models stay in that file when only it uses them.
+Each file's own models stay in that file when only it uses them. ``bits``
+compares trees bit for bit.
 
 And two helpers for the tests that use the benchmarks: ``benchmark(name)``
 imports ``benchmarks/<name>.py``, and ``DEFAULT_CODEGEN`` is the benchmarks'
@@ -142,6 +143,13 @@ def poison(tree, value, leaf_index=0, flat_index=0):
   leaf = leaves[leaf_index]
   leaves[leaf_index] = leaf.reshape(-1).at[flat_index].set(value).reshape(leaf.shape)
   return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def bits(tree):
+  """The treedef and each leaf's dtype, shape and bytes: equal when the trees
+  are bit-identical (-0.0 differs from 0.0, a nan equals the same nan)."""
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  return treedef, [(np.asarray(x).dtype, np.shape(x), np.asarray(x).tobytes()) for x in leaves]
 
 
 # ---------------------------------------------------------------------------

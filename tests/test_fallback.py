@@ -1,12 +1,9 @@
 """Falling back to a wider policy: the controller, the switch, promotion.
 
-Level 2 (``jaxmp.PrecisionFallback``, ``jaxmp.switch_precision``): the switch
-keeps params and optimizer state bit-identical, compiles the step once more
-and never again, is logged and recorded, survives a checkpoint, and works
-for a plain optax loop, a ``jaxmp.flax.TrainState`` and NNX. Level 3
-(``jaxmp.flax.find_overflowing_modules``): on a model in which exactly one
-module overflows in float16, that module alone is promoted, and training then
-skips no step.
+Level 2 (``PrecisionFallback``, ``switch_precision``): the switch keeps params
+and optimizer state bit-identical, compiles the step once more, is logged and
+recorded, survives a checkpoint, for optax, a TrainState and NNX. Level 3
+(``find_overflowing_modules``): the module that overflows alone is promoted.
 """
 
 import dataclasses
@@ -16,196 +13,99 @@ import pathlib
 import subprocess
 import sys
 
-import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from flax import nnx
 
 import jaxmp
 import jaxmp.flax
+from matmul_dtypes import matmul_dtypes
+from models import bits
 
 LADDER = ("mixed_float16", "float32")
 X = jnp.ones((4, 2))
-Y = jnp.zeros((4, 3))
 
-
-def _same_arrays(a, b):
-  """Bit-identical: same structure, dtypes and bits (nan included)."""
-  chex.assert_trees_all_equal_structs(a, b)
-  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-    x, y = np.asarray(x), np.asarray(y)
-    assert x.dtype == y.dtype and x.shape == y.shape
-    assert x.tobytes() == y.tobytes()
-
-
-# -- Three frameworks -----------------------------------------------------------
-# A plain optax loop holds (params, opt_state); a jaxmp.flax.TrainState holds
-# its policy; an nnx.Optimizer is switched in place with its model. Each runs
-# a tiny model (``Spike`` or ``NnxHead``) whose float16 forward pass overflows
-# on large inputs.
-
+# A plain optax loop holds (params, opt_state); a TrainState, its policy; an
+# nnx.Optimizer is switched in place with its model (None but for NNX).
 FRAMEWORKS = ("optax", "train_state", "nnx")
 
 
-class Spike(nn.Module):
-  """A tiny model whose float16 forward pass overflows on large inputs."""
-
-  @nn.compact
-  def __call__(self, x):
-    return nn.Dense(3)(x)
-
-
 class NnxHead(nnx.Module):
-
-  def __init__(self, rngs, head_scale=1.0):
-    self.body = nnx.Linear(2, 4, rngs=rngs)
-    self.head = nnx.Linear(4, 3, rngs=rngs,
-                           kernel_init=nnx.initializers.constant(head_scale))
+  def __init__(self, rngs, head_scale=1.0, body_scale=None):
+    self.body = nnx.Linear(2, 4, rngs=rngs, **({} if body_scale is None else {
+        "kernel_init": nnx.initializers.constant(body_scale)}))
+    self.head = nnx.Linear(4, 3, rngs=rngs, kernel_init=nnx.initializers.constant(head_scale))
 
   def __call__(self, x):
     return self.head(self.body(x))
 
 
-def _loss_scale(loss_scale):
-  return loss_scale or jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0)
+SCALE = jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0)
 
 
-def _train_state(loss_scale=None):
-  model = Spike()
-  params = model.init(jax.random.key(0), X)["params"]
-  return jaxmp.flax.TrainState.create(
-      apply_fn=model.apply, params=params, tx=optax.adam(1e-2),
-      policy="mixed_float16", loss_scale=_loss_scale(loss_scale))
+def _run(framework, loss_scale=None, model=None, x=X, loss=None, learning_rate=1e-2):
+  """``(target, model, step, traces)`` of a run that starts in mixed_float16:
+  ``step(target, x, policy)`` returns the target after one update and the
+  gradients; ``traces`` grows by one each time the step is traced. The model
+  (nn.Dense(3), NnxHead: in float16 they overflow on large inputs) is
+  initialized on ``x``; ``loss`` of its output, default the mean square."""
+  traces, loss = [], loss or (lambda out: jnp.mean(out.astype(jnp.float32) ** 2))
+  if framework == "nnx":
+    model = model or NnxHead(nnx.Rngs(0))
+    jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
 
+    @nnx.jit
+    def nnx_step(model, optimizer, x):
+      traces.append(None)
+      _, grads = jaxmp.scaled_value_and_grad(
+          lambda m: loss(m(x)), jaxmp.get_loss_scale(optimizer.opt_state),
+          value_and_grad=nnx.value_and_grad)(model)
+      optimizer.update(model, grads)
+      return grads
 
-def _counted_step():
-  traces = []
+    optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(
+        optax.adam(learning_rate), loss_scale or SCALE), wrt=nnx.Param)
+    return optimizer, model, lambda o, x, _: (o, nnx_step(model, o, x)), traces
+  model = model or nn.Dense(3)
+  params = jax.jit(model.init)(jax.random.key(0), x)["params"]
+  if framework == "train_state":
+    state = jaxmp.flax.TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.adam(learning_rate),
+        policy="mixed_float16", loss_scale=loss_scale or SCALE)
 
-  @jax.jit
-  def step(state, x, y):
-    traces.append(None)
+    @jax.jit
+    def state_step(state, x):
+      traces.append(None)
+      _, grads = state.value_and_grad(lambda p: loss(state.apply_fn({"params": p}, x)))(
+          state.params)
+      return state.apply_gradients(grads=grads), grads
 
-    def loss_fn(params, x, y):
-      return jnp.mean((state.apply_fn({"params": params}, x) - y) ** 2)
-
-    loss, grads = state.value_and_grad(loss_fn)(state.params, x, y)
-    return state.apply_gradients(grads=grads), loss
-
-  return step, traces
-
-
-def _nnx_run(head_scale=1.0, loss_scale=None):
-  model = NnxHead(nnx.Rngs(0), head_scale)
-  jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
-  optimizer = nnx.Optimizer(
-      model, jaxmp.loss_scaling(optax.adam(1e-3), _loss_scale(loss_scale)),
-      wrt=nnx.Param)
-  traces = []
-
-  @nnx.jit
-  def step(model, optimizer, x):
-    traces.append(None)
-    loss, grads = jaxmp.scaled_value_and_grad(
-        lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2),
-        jaxmp.get_loss_scale(optimizer.opt_state),
-        value_and_grad=nnx.value_and_grad)(model)
-    optimizer.update(model, grads)
-    return loss
-
-  return model, optimizer, step, traces
-
-
-def _optax_tx(loss_scale=None):
-  return jaxmp.loss_scaling(optax.adam(1e-2), _loss_scale(loss_scale))
-
-
-def _optax_run(loss_scale=None):
-  model = Spike()
-  params = model.init(jax.random.key(0), X)["params"]
-  tx = _optax_tx(loss_scale)
-  traces = []
+    return state, None, lambda state, x, _: state_step(state, x), traces
+  tx = jaxmp.loss_scaling(optax.adam(learning_rate), loss_scale or SCALE)
 
   @functools.partial(jax.jit, static_argnames="policy")
-  def step(target, x, policy):
+  def optax_step(target, x, policy):
     traces.append(policy)
-    params, opt_state = target
-
-    def loss_fn(params):
-      out = model.apply({"params": policy.cast_to_compute(params)},
-                        policy.cast_to_compute(x))
-      return jnp.mean((policy.cast_to_output(out) - Y) ** 2)
-
+    (params, opt_state), cast = target, policy.cast_to_compute
     _, grads = jaxmp.scaled_value_and_grad(
-        loss_fn, jaxmp.get_loss_scale(opt_state))(params)
+        lambda p: loss(policy.cast_to_output(model.apply({"params": cast(p)}, cast(x)))),
+        jaxmp.get_loss_scale(opt_state))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+    return (optax.apply_updates(params, updates), opt_state), grads
 
-  return (params, tx.init(params)), None, step, traces
-
-
-def _run(framework, loss_scale=None):
-  """``(target, model, step, traces)`` of a run that starts in mixed_float16.
-
-  ``step(target, x, policy)`` returns the target after one update; ``traces``
-  grows by one each time the step is traced. The model is ``None`` but for NNX.
-  """
-  if framework == "optax":
-    return _optax_run(loss_scale)
-  if framework == "train_state":
-    step, traces = _counted_step()
-    return (_train_state(loss_scale), None,
-            lambda state, x, _: step(state, x, Y)[0], traces)
-  model, optimizer, step, traces = _nnx_run(loss_scale=loss_scale)
-
-  def nnx_step(optimizer, x, _):
-    step(model, optimizer, x)  # in place
-    return optimizer
-
-  return optimizer, model, nnx_step, traces
-
-
-def _floor_scale():
-  """A dynamic scale that reaches its floor at the second overflow."""
-  return jaxmp.DynamicLossScale(2.0, min_loss_scale=1.0)
-
-
-@nnx.jit
-def _apply_gradients(target, model, grads):
-  """One update of any framework's state with ``grads`` (jitted: one compile)."""
-  if model is not None:  # an nnx.Optimizer
-    target.update(model, grads)  # in place
-  elif isinstance(target, tuple):  # a plain optax loop
-    params, opt_state = target
-    # The update reads the loss scale from the state, not from the tx.
-    updates, opt_state = _optax_tx().update(grads, opt_state, params)
-    target = (optax.apply_updates(params, updates), opt_state)
-  else:  # a TrainState
-    target = target.apply_gradients(grads=grads)
-  return target
+  return (params, tx.init(params)), None, optax_step, traces
 
 
 def _overflowed(framework, overflows=2):
-  """A training state whose dynamic scale reached its floor, and its NNX model.
-
-  One finite step moved the params and moments, then ``overflows`` steps
-  overflowed: the first halved the scale to its floor, the others found it
-  there. The model is ``None`` but for NNX.
-  """
-  target, model, _, _ = _run(framework, _floor_scale())
-  ones = jax.tree_util.tree_map(jnp.ones_like, _kept(target, model)[0])
-  inf = jax.tree_util.tree_map(lambda g: g * jnp.inf, ones)
-  for grads in (ones, *[inf] * overflows):
-    target = _apply_gradients(target, model, grads)
+  """A state whose scale reached its floor, and its NNX model: one finite step,
+  then ``overflows`` large batches (the first halved the scale to its floor)."""
+  target, model, step, _ = _run(framework, jaxmp.DynamicLossScale(2.0, min_loss_scale=1.0))
+  for x in (X, *[X * 1e5] * overflows):
+    target = step(target, x, jaxmp.get_policy("mixed_float16"))[0]
   return target, model
-
-
-def _at_the_floor(overflows=2):
-  """The optimizer state of a plain optax loop, as :func:`_overflowed` leaves it."""
-  return _opt_state(_overflowed("optax", overflows)[0])
 
 
 def _opt_state(target):
@@ -220,39 +120,12 @@ def _kept(target, model):
       params, _opt_state(target).inner_state, getattr(target, "step", None)))
 
 
-def _update(fallback, target, model, step):
-  """``fallback.update`` for any framework: ``(target, policy)``."""
-  if model is None and isinstance(target, tuple):  # a plain optax loop
-    return fallback.update(target, step=step)
-  return fallback.update(target, model=model), fallback.policy
-
-
-def _checkpointed(target, model):
-  """What ``save_checkpoint`` and ``restore_checkpoint`` take: NNX's model too."""
-  return target if model is None else (model, target)
-
-
-def _restore(path, framework, fallback, abstract=False):
-  """A fresh run's target, built in mixed_float16, restored from ``path``.
-
-  Returns ``(target, model, step, traces)`` as :func:`_run` does. With
-  ``abstract``, the target and model restored into are only shapes and
-  dtypes (``jax.eval_shape``, ``nnx.eval_shape``), and there is no step.
-  """
-  if abstract:
-    eval_shape = nnx.eval_shape if framework == "nnx" else jax.eval_shape
-    target, model = eval_shape(lambda: _run(framework, _floor_scale())[:2])
-    step = traces = None
-  else:
-    target, model, step, traces = _run(framework, _floor_scale())
-  restored = jaxmp.flax.restore_checkpoint(
-      path, _checkpointed(target, model), fallback=fallback)
-  return (restored if model is None else restored[1]), model, step, traces
-
-
 def _assert_in(policy, target, model):
-  """A TrainState holds ``policy``; an NNX model computes in its dtype."""
+  """``policy`` held (a TrainState) or computed in (NNX), and its kind of loss scale."""
   policy = jaxmp.get_policy(policy)
+  scale = jaxmp.get_loss_scale(target)
+  assert (isinstance(scale, jaxmp.DynamicLossScale) if policy.needs_loss_scaling
+          else scale == jaxmp.NoOpLossScale())
   if model is not None:
     assert model.head.dtype == model.body.dtype == policy.compute_dtype
   elif not isinstance(target, tuple):  # a plain optax loop holds no policy
@@ -260,29 +133,28 @@ def _assert_in(policy, target, model):
 
 
 def _dot_dtypes(fn, *args):
-  """The dtypes of the operands of each matmul of ``fn(*args)``."""
-  jaxpr = jax.make_jaxpr(fn)(*args)
-  return [tuple(str(v.aval.dtype) for v in e.invars)
-          for e in jaxpr.eqns if e.primitive.name == "dot_general"]
-
-
-# -- The switch itself ----------------------------------------------------------
+  return [dtypes for _, dtypes in matmul_dtypes(fn, *args)]
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_a_switch_replaces_the_loss_scale_only_when_the_policy_needs_none(framework):
   target, model = _overflowed(framework)
-  opt_state, kept = _opt_state(target), _kept(target, model)
+  opt_state, kept = _opt_state(target), bits(_kept(target, model))
+  # A policy that would store the params in bfloat16 is refused (the switch
+  # keeps the float32 params bit-identical), the target left as it was.
+  with pytest.raises(ValueError):
+    jaxmp.switch_precision(target, "bf16", model=model)
+  assert _opt_state(target) is opt_state and bits(_kept(target, model)) == kept
+  _assert_in("mixed_float16", target, model)
   # A policy that still computes in float16: nothing to change, the scale stays.
   same = jaxmp.switch_precision(
-      target, jaxmp.get_policy("mixed_float16").with_output_dtype(jnp.float16),
-      model=model)
+      target, jaxmp.get_policy("mixed_float16").with_output_dtype(jnp.float16), model=model)
   assert _opt_state(same) is opt_state
   switched = jaxmp.switch_precision(target, "float32", model=model)
   new = _opt_state(switched)
   assert jaxmp.get_loss_scale(new) == jaxmp.NoOpLossScale()
   assert new.inner_state is opt_state.inner_state  # not even a copy
-  _same_arrays(_kept(switched, model), kept)
+  assert bits(_kept(switched, model)) == kept
   before, after = jaxmp.loss_scaling_metrics(opt_state), jaxmp.loss_scaling_metrics(new)
   assert int(after["skipped_steps"]) == int(before["skipped_steps"]) == 2
   assert int(after["overflows_at_min"]) == 0  # a no-op scale has no floor
@@ -300,33 +172,16 @@ def test_a_switch_replaces_the_loss_scale_only_when_the_policy_needs_none(framew
   assert jax.tree_util.tree_structure(fresh) == jax.tree_util.tree_structure(new)
   assert jaxmp.get_loss_scale(fresh) == jaxmp.NoOpLossScale()
   if model is None:  # the TrainState's apply_fn runs under the new policy
-    assert _dot_dtypes(target.apply_fn, {"params": target.params}, X) == [
-        ("float16", "float16")]
-    assert _dot_dtypes(switched.apply_fn, {"params": switched.params}, X) == [
-        ("float32", "float32")]
-
-
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_a_policy_that_would_store_the_params_in_16_bits_is_refused(framework):
-  # The switch keeps the float32 params bit-identical; "bf16" would store
-  # them in bfloat16: refused for every kind of target, which stays as it was.
-  target, model = _overflowed(framework)
-  opt_state, kept = _opt_state(target), _kept(target, model)
-  with pytest.raises(ValueError):
-    jaxmp.switch_precision(target, "bf16", model=model)
-  assert _opt_state(target) is opt_state
-  _same_arrays(_kept(target, model), kept)
-  _assert_in("mixed_float16", target, model)
+    assert [_dot_dtypes(s.apply_fn, {"params": s.params}, X) for s in (target, switched)] == [
+        [("float16",) * 2], [("float32",) * 2]]
 
 
 @pytest.mark.integration  # a fresh process: this one has imported jaxmp.flax
 def test_switching_an_nnx_optimizer_needs_no_import_of_jaxmp_flax():
   # No registry that an import fills: `import jaxmp` alone switches NNX.
   code = """if True:
-    import sys
-    import jax.numpy as jnp, optax
+    import sys, jax.numpy as jnp, optax, jaxmp
     from flax import nnx
-    import jaxmp
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0), dtype=jnp.float16)
     optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(
         optax.sgd(0.1), jaxmp.DynamicLossScale()), wrt=nnx.Param)
@@ -336,19 +191,13 @@ def test_switching_an_nnx_optimizer_needs_no_import_of_jaxmp_flax():
     assert "jaxmp.flax" not in sys.modules
   """
   subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
-                 cwd=pathlib.Path(__file__).resolve().parent.parent)
-
-
-# -- The controller -------------------------------------------------------------
+                 cwd=pathlib.Path(__file__).resolve().parents[1])
 
 
 def test_the_controller_switches_on_overflows_at_the_minimum_scale(caplog):
-  tx = jaxmp.loss_scaling(optax.sgd(0.1),
-                          jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0))
-  params = {"w": jnp.ones(2)}
+  tx = jaxmp.loss_scaling(optax.sgd(0.1), SCALE)
+  params, fallback, policies = {"w": jnp.ones(2)}, jaxmp.PrecisionFallback(LADDER, every=1), []
   opt_state = tx.init(params)
-  fallback = jaxmp.PrecisionFallback(LADDER, every=1)
-  policies = []
   with caplog.at_level(logging.WARNING, logger="jaxmp"):
     for step in range(1, 7):
       _, opt_state = tx.update({"w": jnp.full(2, jnp.inf)}, opt_state, params)
@@ -361,39 +210,35 @@ def test_the_controller_switches_on_overflows_at_the_minimum_scale(caplog):
   assert [event._asdict() for event in fallback.events] == [dict(
       step=3, reason="1 overflow(s) at the minimum loss scale 1",
       old_policy="p=f32,c=f16,o=f32", new_policy="p=f32,c=f32,o=f32")]
-  assert fallback.policy == jaxmp.get_policy("float32") and fallback.rung == 1
-  assert fallback.next_policy is None
+  assert (fallback.policy, fallback.rung, fallback.next_policy) == (
+      jaxmp.get_policy("float32"), 1, None)
   (record,) = [r for r in caplog.records if "switching" in r.getMessage()]
-  assert record.levelno == logging.WARNING
-  assert record.getMessage() == (
+  assert (record.levelno, record.getMessage()) == (logging.WARNING, (
       "jaxmp: step 3: switching from p=f32,c=f16,o=f32 to p=f32,c=f32,o=f32: "
-      "1 overflow(s) at the minimum loss scale 1.")
+      "1 overflow(s) at the minimum loss scale 1."))
   # In float32 the nan steps are still skipped, but they are not fp16's fault.
   assert int(jaxmp.loss_scaling_metrics(opt_state)["skipped_steps"]) == 6
 
 
 def test_check_reads_every_n_steps_tolerates_overflows_and_answers_the_next_rung():
-  state = _at_the_floor(2)  # one overflow at the floor
+  state = _overflowed("optax")[0][1]  # the optimizer state: one overflow at the floor
   fallback = jaxmp.PrecisionFallback(LADDER, every=5)
-  for step in (1, 2, 3, 4):
-    assert fallback.check(state, step=step) is None
-  assert fallback.monitor.records == []
+  assert [fallback.check(state, step=step) for step in (1, 2, 3, 4)] == [None] * 4
   assert fallback.check(state, step=5) == jaxmp.get_policy("float32")
-  assert [r.step for r in fallback.monitor.records] == [5]
+  assert [r.step for r in fallback.monitor.records] == [5]  # read at the fifth step only
   assert fallback.events == [] and fallback.rung == 0  # check switches nothing
   tolerant = jaxmp.PrecisionFallback(LADDER, every=1, max_overflows_at_min=1)
   assert tolerant.check(state, step=1) is None
-  assert tolerant.check(_at_the_floor(3), step=2) == jaxmp.get_policy("float32")
+  assert tolerant.check(_overflowed("optax", 3)[0][1], step=2) == jaxmp.get_policy("float32")
 
 
 def test_the_overflow_rate_is_measured_over_a_whole_window_of_the_current_policy():
   # A static scale never reaches a floor: only the rate says float16 fails.
-  tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.StaticLossScale(2.0**10))
-  params = {"w": jnp.ones(2)}
+  tx, params = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.StaticLossScale(2.0**10)), {
+      "w": jnp.ones(2)}
   opt_state = tx.init(params)
-  fallback = jaxmp.PrecisionFallback(
-      ("mixed_float16", "p=f32,c=f16,o=f16", "float32"), every=2, window=8,
-      max_overflow_rate=0.25)
+  fallback = jaxmp.PrecisionFallback(("mixed_float16", "p=f32,c=f16,o=f16", "float32"),
+                                     every=2, window=8, max_overflow_rate=0.25)
   for step in range(1, 25):
     grad = jnp.inf if step % 2 else 1.0  # half the steps overflow
     _, opt_state = tx.update({"w": jnp.full(2, grad)}, opt_state, params)
@@ -408,7 +253,7 @@ def test_the_overflow_rate_is_measured_over_a_whole_window_of_the_current_policy
 
 @pytest.mark.parametrize("ladder", [LADDER, ("mixed_float16",)])
 def test_raise_mode_raises_check_loss_scales_error(ladder):
-  state = _at_the_floor()
+  state = _overflowed("optax")[0][1]  # the optimizer state
   fallback = jaxmp.PrecisionFallback(ladder, every=1, on_failure="raise")
   with pytest.raises(jaxmp.LossScaleAtMinimumError) as raised:
     fallback.update(state, step=1)
@@ -419,102 +264,85 @@ def test_raise_mode_raises_check_loss_scales_error(ladder):
 
 
 def test_the_ladder_follows_the_hardware():
+  f16, bf16, f32 = map(jaxmp.get_policy, ("mixed_float16", "mixed_bfloat16", "float32"))
   assert not jaxmp.hardware_report().native_bfloat16  # this CPU
-  assert jaxmp.PrecisionFallback().ladder == (
-      jaxmp.get_policy("mixed_float16"), jaxmp.get_policy("float32"))
-  report = dataclasses.replace(jaxmp.hardware_report(), platform="tpu",
-                               native_bfloat16=True)
-  fallback = jaxmp.PrecisionFallback(
-      ("mixed_float16", "mixed_bfloat16", "float32"), hardware=report)
-  assert [str(p) for p in fallback.ladder] == [
-      "p=f32,c=f16,o=f32", "p=f32,c=bf16,o=f32", "p=f32,c=f32,o=f32"]
-  assert jaxmp.PrecisionFallback(hardware=report).ladder == (
-      jaxmp.get_policy("mixed_float16"), jaxmp.get_policy("mixed_bfloat16"))
-
-
-# -- A run that switches -------------------------------------------------------
+  assert jaxmp.PrecisionFallback().ladder == (f16, f32)
+  report = dataclasses.replace(jaxmp.hardware_report(), platform="tpu", native_bfloat16=True)
+  assert jaxmp.PrecisionFallback(("mixed_float16", "mixed_bfloat16", "float32"),
+                                 hardware=report).ladder == (f16, bf16, f32)
+  assert jaxmp.PrecisionFallback(hardware=report).ladder == (f16, bf16)
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_a_run_switches_once_compiles_once_more_and_keeps_params_and_moments(
-    framework):
+def test_a_run_switches_once_compiles_once_more_and_keeps_params_and_moments(framework):
   target, model, step, traces = _run(framework)
-  fallback = jaxmp.PrecisionFallback(LADDER, every=1)
-  policy = fallback.policy
+  policy = (fallback := jaxmp.PrecisionFallback(LADDER, every=1)).policy
   for i in range(1, 9):
-    target = step(target, X * (1e5 if i <= 4 else 1.0), policy)
-    kept = _kept(target, model)
+    target = step(target, X * (1e5 if i <= 4 else 1.0), policy)[0]
+    kept = bits(_kept(target, model))
     if framework == "optax":  # the policy goes to the step, a static argument
       target, policy = fallback.update(target, step=i)
     else:  # the target holds the policy (the model its dtypes) and the step
       target = fallback.update(target, model=model)
     if fallback.events and fallback.events[-1].step == i:
-      _same_arrays(_kept(target, model), kept)
+      assert bits(_kept(target, model)) == kept
   assert len(traces) == 2  # the float16 step and the float32 step, once each
   assert [e.step for e in fallback.events] == [3]
-  assert jaxmp.get_loss_scale(_opt_state(target)) == jaxmp.NoOpLossScale()
   # The fourth large batch, which float16 could not represent, trains in
   # float32: three steps were skipped, not four.
   metrics = jaxmp.loss_scaling_metrics(_opt_state(target))
   assert int(metrics["skipped_steps"]) == 3 and bool(metrics["last_finite"])
-  float32 = jaxmp.get_policy("float32")
+  _assert_in("float32", target, model)  # its loss scale a NoOpLossScale
   if framework == "optax":
-    assert traces == [jaxmp.get_policy("mixed_float16"), float32]
-  elif framework == "train_state":
-    assert target.policy == float32
-  else:
-    assert model.head.dtype == model.body.dtype == jnp.float32
-
-
-# -- Checkpoints ----------------------------------------------------------------
+    assert traces == [jaxmp.get_policy("mixed_float16"), jaxmp.get_policy("float32")]
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_a_checkpoint_resumes_the_controller_and_the_target_in_the_saved_policy(
     framework, tmp_path):
   target, model = _overflowed(framework)  # at the floor, not switched yet
-  fallback = jaxmp.PrecisionFallback(LADDER, every=1)
-  saved = {}
+  fallback, saved = jaxmp.PrecisionFallback(LADDER, every=1), {}
+  checkpointed = lambda target, model: target if model is None else (model, target)
   for name in ("before", "after"):  # the switch
     if name == "after":
-      target, policy = _update(fallback, target, model, step=3)
-      assert policy == jaxmp.get_policy("float32")
-    jaxmp.flax.save_checkpoint(tmp_path / name, _checkpointed(target, model),
-                               fallback=fallback)
-    saved[name] = (_kept(target, model), jax.tree_util.tree_map(
-        jnp.copy, _opt_state(target)), list(fallback.events))
+      target = (fallback.update(target, step=3)[0] if framework == "optax"
+                else fallback.update(target, model=model))
+      assert fallback.policy == jaxmp.get_policy("float32")
+    jaxmp.flax.save_checkpoint(tmp_path / name, checkpointed(target, model), fallback=fallback)
+    saved[name] = bits((_kept(target, model), _opt_state(target))), list(fallback.events)
+  # Into a target built in float16, as at the start of the run; abstract:
+  # only shapes and dtypes (jax.eval_shape, nnx.eval_shape).
+  build = lambda: _run(framework, jaxmp.DynamicLossScale(2.0, min_loss_scale=1.0))
   for name, abstract in [("before", False), ("after", False), ("after", True)]:
     resumed = jaxmp.PrecisionFallback(LADDER, every=1)  # a new process
-    # The target is built in float16, as at the start of the run; abstract:
-    # only shapes and dtypes (jax.eval_shape, nnx.eval_shape).
-    restored, restored_model, step, traces = _restore(
-        tmp_path / name, framework, resumed, abstract)
-    kept, opt_state, events = saved[name]
+    if abstract:
+      eval_shape = nnx.eval_shape if framework == "nnx" else jax.eval_shape
+      (target, model), step = eval_shape(lambda: build()[:2]), None
+    else:
+      target, model, step, traces = build()
+    restored = jaxmp.flax.restore_checkpoint(
+        tmp_path / name, checkpointed(target, model), fallback=resumed)
+    restored = restored if model is None else restored[1]
     policy = jaxmp.get_policy("float32" if name == "after" else "mixed_float16")
-    assert resumed.events == events and resumed.policy == policy
-    assert resumed.rung == (1 if name == "after" else 0)
-    _assert_in(policy, restored, restored_model)
-    assert isinstance(jaxmp.get_loss_scale(_opt_state(restored)), (
-        jaxmp.NoOpLossScale if name == "after" else jaxmp.DynamicLossScale))
-    _same_arrays(_kept(restored, restored_model), kept)
-    _same_arrays(_opt_state(restored), opt_state)
+    assert (resumed.events, resumed.policy, resumed.rung) == (
+        saved[name][1], policy, int(name == "after"))
+    _assert_in(policy, restored, model)
+    assert bits((_kept(restored, model), _opt_state(restored))) == saved[name][0]
     if name == "after" and not abstract:
       if framework != "optax":
         assert int(jax.tree_util.tree_leaves(restored.step)[0]) == 3
       # The restored state steps in float32 (a fresh jit: one trace).
-      restored = step(restored, X, resumed.policy)
+      restored = step(restored, X, resumed.policy)[0]
       assert len(traces) == 1
       assert bool(jaxmp.loss_scaling_metrics(_opt_state(restored))["last_finite"])
 
 
 def test_a_checkpoint_records_a_policy_off_the_ladder(tmp_path):
-  # A policy given to fallback.switch (a proposed ModulePolicy, say) is
-  # recorded whole: module classes by their import name, patterns, options.
-  state = _at_the_floor()
+  # A policy given to fallback.switch (a proposal, say) is recorded whole.
+  state = _overflowed("optax")[0][1]  # the optimizer state
   for i, policy in enumerate([
-      jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32", "head": "float32"},
-                              default="mixed_float16", first_match=True,
-                              override_dtype=(nn.Dense,)),
+      jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32", "head": "float32"}, default="mixed_float16",
+                              first_match=True, override_dtype=(nn.Dense,)),
       jaxmp.PathPolicy({"kernel": "float32"}, default="mixed_float16"),
       "p=f32,c=f16,o=f16"]):
     fallback = jaxmp.PrecisionFallback(LADDER)
@@ -527,36 +355,25 @@ def test_a_checkpoint_records_a_policy_off_the_ladder(tmp_path):
     assert resumed.events == fallback.events and resumed.rung == 0
 
 
-# -- Promotion: the module that overflows ---------------------------------------
-
-
 def _wide_projection(key, shape, dtype=jnp.float32):
   """Each output is about 1000 times the sum of its inputs (a class-wise tilt)."""
   del key
-  tilt = 1.0 + 0.01 * jnp.arange(shape[1], dtype=dtype)
-  return 1e3 * jnp.ones(shape, dtype) * tilt
+  return 1e3 * jnp.ones(shape, dtype) * (1.0 + 0.01 * jnp.arange(shape[1], dtype=dtype))
 
 
 class OneBadModule(nn.Module):
-  """Everything is tame except ``head``, an unnormalised projection.
-
-  ``head`` sums 512 positive activations with weights near 1000: its logits
-  (about 2e5) exceed float16's 65504 at any loss scale. The cotangents it
-  sends back (softmax minus one-hot, through kernel columns that differ by
-  1%) stay small, so in float32 it trains the rest in float16 without an
-  overflow.
-  """
+  """Tame but for ``head``, which sums 512 positive activations with weights
+  near 1000: its logits (about 2e5) exceed float16's 65504 at any loss scale;
+  its cotangents (softmax minus one-hot, through kernel columns 1% apart) stay
+  small, so in float32 it trains the rest in float16 without an overflow."""
 
   @nn.compact
   def __call__(self, x):
-    h = nn.LayerNorm(name="norm")(x)
-    h = nn.relu(nn.Dense(512, name="body")(h))
+    h = nn.relu(nn.Dense(512, name="body")(nn.LayerNorm(name="norm")(x)))
     return nn.Dense(8, name="head", kernel_init=_wide_projection)(h)
 
 
-class NnxOneBadModule(nnx.Module):
-  """:class:`OneBadModule` in NNX."""
-
+class NnxOneBadModule(nnx.Module):  # OneBadModule in NNX
   def __init__(self, rngs):
     self.norm = nnx.LayerNorm(4, rngs=rngs)
     self.body = nnx.Linear(4, 512, rngs=rngs)
@@ -566,76 +383,35 @@ class NnxOneBadModule(nnx.Module):
     return self.head(nnx.relu(self.body(self.norm(x))))
 
 
-def _classifier(framework):
-  """``(target, model, step, forward, classes)`` of a classifier in mixed_float16.
-
-  ``step(target)`` trains on one batch and returns ``(target, grads)``;
-  ``forward(target)`` is the call to watch, as ``find_overflowing_modules``
-  takes it; ``classes`` are the model's module classes. The model is ``None``
-  but for NNX.
-  """
-  x = jax.random.normal(jax.random.key(1), (8, 4))
-  labels = jnp.arange(8) % 8
-  loss_scale = jaxmp.DynamicLossScale(2.0**3, min_loss_scale=1.0)
-
-  def loss(logits):
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), labels).mean()
-
-  if framework == "linen":
-    model = OneBadModule()
-    params = jax.jit(model.init)(jax.random.key(0), x)["params"]  # one compile
-    state = jaxmp.flax.TrainState.create(
-        apply_fn=model.apply, params=params, tx=optax.adam(1e-4),
-        policy="mixed_float16", loss_scale=loss_scale)
-
-    @jax.jit
-    def step(state):
-      _, grads = state.value_and_grad(
-          lambda params: loss(state.apply_fn({"params": params}, x)))(state.params)
-      return state.apply_gradients(grads=grads), grads
-
-    return (state, None, step,
-            lambda state: (state.apply_fn, {"params": state.params}, x),
-            (OneBadModule, nn.LayerNorm, nn.Dense))
-  model = nnx.jit(lambda: NnxOneBadModule(nnx.Rngs(0)))()  # one compile, not op by op
-  jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
-  optimizer = nnx.Optimizer(
-      model, jaxmp.loss_scaling(optax.adam(1e-4), loss_scale), wrt=nnx.Param)
-
-  @nnx.jit
-  def nnx_step(model, optimizer):
-    _, grads = jaxmp.scaled_value_and_grad(
-        lambda m: loss(m(x)), jaxmp.get_loss_scale(optimizer.opt_state),
-        value_and_grad=nnx.value_and_grad)(model)
-    optimizer.update(model, grads)
-    return grads
-
-  return (optimizer, model, lambda optimizer: (optimizer, nnx_step(model, optimizer)),
-          lambda _: (model, x), (NnxOneBadModule, nnx.LayerNorm, nnx.Linear))
-
-
-@pytest.mark.parametrize("framework", ["linen", "nnx"])
+@pytest.mark.parametrize("framework", ["train_state", "nnx"])
 def test_only_the_overflowing_module_is_promoted_and_training_then_skips_nothing(
     framework):
-  target, model, step, forward, classes = _classifier(framework)
+  x = jax.random.normal(jax.random.key(1), (8, 4))
+  target, model, step, _ = _run(
+      framework, jaxmp.DynamicLossScale(2.0**3, min_loss_scale=1.0), x=x, learning_rate=1e-4,
+      model=(nnx.jit(lambda: NnxOneBadModule(nnx.Rngs(0)))()  # one compile, not op by op
+             if framework == "nnx" else OneBadModule()),
+      loss=lambda logits: optax.softmax_cross_entropy_with_integer_labels(
+          logits.astype(jnp.float32), jnp.arange(8)).mean())
+  forward = lambda t: (model, x) if model is not None else (t.apply_fn, {"params": t.params}, x)
+  classes = ((NnxOneBadModule, nnx.LayerNorm, nnx.Linear) if model is not None
+             else (OneBadModule, nn.LayerNorm, nn.Dense))
   fallback = jaxmp.PrecisionFallback(LADDER, every=1)
   for _ in range(6):  # 8 -> 4 -> 2 -> 1, then an overflow at the floor
-    target, grads = step(target)
+    target, grads = step(target, x, None)
     if fallback.check(target) is not None:
       break
   assert fallback.check(target) == jaxmp.get_policy("float32")  # the next rung
-  before = jax.tree_util.tree_map(jnp.copy, _kept(target, model))
+  before = bits(_kept(target, model))
   calls = {cls: vars(cls).get("__call__") for cls in classes}
   report = jaxmp.flax.find_overflowing_modules(*forward(target), grads=grads)
-  assert report.modules == ("head",)
-  assert report.inputs_finite
+  assert report.modules == ("head",) and report.inputs_finite
   assert set(report.gradient_modules) == {"body", "norm", "head"}
   assert [(c.path, c.inputs_finite, c.outputs_finite) for c in report.calls] == [
       ("", True, False), ("norm", True, True), ("body", True, True),
       ("head", True, False)]
   # Nothing of the model was changed: its arrays, its classes' __call__.
-  _same_arrays(_kept(target, model), before)
+  assert bits(_kept(target, model)) == before
   assert {cls: vars(cls).get("__call__") for cls in classes} == calls
   policy = report.propose_policy(fallback.policy)
   assert policy == jaxmp.flax.ModulePolicy({"head": "float32"},
@@ -646,22 +422,21 @@ def test_only_the_overflowing_module_is_promoted_and_training_then_skips_nothing
   assert fallback.rung == 0 and fallback.next_policy == jaxmp.get_policy("float32")
   # float16 remains: the loss scale stays dynamic, where it was.
   loss_scale = jaxmp.get_loss_scale(_opt_state(target))
-  assert isinstance(loss_scale, jaxmp.DynamicLossScale)
-  assert float(loss_scale.loss_scale) == 1.0
+  assert isinstance(loss_scale, jaxmp.DynamicLossScale) and float(loss_scale.loss_scale) == 1.0
   for _ in range(4):
-    target, _ = step(target)
+    target = step(target, x, None)[0]
     assert fallback.check(target) is None  # the floor's count was the baseline
-  metrics = jaxmp.loss_scaling_metrics(_opt_state(target))
-  assert int(metrics["skipped_steps"]) == skipped
+  assert int(jaxmp.loss_scaling_metrics(_opt_state(target))["skipped_steps"]) == skipped
   # head computes in float32, the rest still in float16, and nothing overflows.
   if model is not None:
     assert model.head.dtype == jnp.float32 and model.body.dtype == jnp.float16
-  assert _dot_dtypes(*forward(target)) == [("float16", "float16"),
-                                           ("float32", "float32")]
+  assert _dot_dtypes(*forward(target)) == [("float16", "float16"), ("float32", "float32")]
   assert jaxmp.flax.find_overflowing_modules(*forward(target)).modules == ()
 
 
 class FeedsAFloat16Head(nn.Module):
+  """body's float16 output (9e4) overflows; promoted to float32, that output
+  overflows the float16 head it feeds (so does NnxHead's with body_scale=4e4)."""
 
   @nn.compact
   def __call__(self, x):
@@ -669,113 +444,77 @@ class FeedsAFloat16Head(nn.Module):
     return nn.Dense(2, name="head")(h)
 
 
-class NnxFeedsAFloat16Head(nnx.Module):
-
-  def __init__(self, rngs):
-    self.body = nnx.Linear(3, 4, kernel_init=nnx.initializers.constant(3e4), rngs=rngs)
-    self.head = nnx.Linear(4, 2, rngs=rngs)
-
+class DeclaredFloat16(nn.Module):  # the model's own dtype, as in Flax's examples
+  @nn.compact
   def __call__(self, x):
-    return self.head(self.body(x))
-
-
-@pytest.mark.parametrize("framework", ["linen", "nnx"])
-def test_the_proposed_policy_runs_finite_on_the_batch_it_was_built_from(framework):
-  # body's float16 output (9e4) overflows; promoted to float32, that output
-  # overflows the float16 head it feeds, which the proposal promotes too.
-  x = jnp.ones((1, 3))
-  if framework == "linen":
-    variables = FeedsAFloat16Head().init(jax.random.key(0), x)
-    forward = lambda policy: (policy.wrap_apply(FeedsAFloat16Head().apply), variables, x)
-  else:
-    model = NnxFeedsAFloat16Head(nnx.Rngs(0))
-
-    def forward(policy):
-      policy.set_nnx_dtypes(model)
-      return model, x
-
-  report = jaxmp.flax.find_overflowing_modules(
-      *forward(jaxmp.flax.ModulePolicy({}, default="mixed_float16")))
-  assert report.modules == ("body",)
-  policy = report.propose_policy("mixed_float16")
-  assert policy == jaxmp.flax.ModulePolicy(
-      {"body": "float32", "head": "float32"}, default="mixed_float16",
-      override_dtype=True)
-  call, *args = forward(policy)
-  assert bool(jnp.all(jnp.isfinite(call(*args))))
-
-
-def test_the_innermost_producer_is_reported_however_deep():
-  """model -> block -> head: head produces the inf, and neither the block nor
-  the model around it (whose outputs are inf too) is reported."""
-
-  class Block(nnx.Module):
-
-    def __init__(self, rngs):
-      self.head = NnxHead(rngs, head_scale=1e5)
-
-    def __call__(self, x):
-      return self.head(x)
-
-  class Model(nnx.Module):
-
-    def __init__(self, rngs):
-      self.block = Block(rngs)
-
-    def __call__(self, x):
-      return self.block(x)
-
-  model = Model(nnx.Rngs(0))
-  jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
-  report = jaxmp.flax.find_overflowing_modules(model, X)
-  assert [c.path for c in report.calls if not c.outputs_finite] == [
-      "", "block", "block/head", "block/head/head"]
-  assert report.modules == ("block/head/head",)
-
-
-def test_the_proposed_policy_wins_over_a_declared_float16_dtype():
-
-  class DeclaredFloat16(nn.Module):  # the model's own dtype, as in Flax's examples
-
-    @nn.compact
-    def __call__(self, x):
-      h = nn.relu(nn.Dense(512, dtype=jnp.float16, name="body")(x))
-      return nn.Dense(8, dtype=jnp.float16, name="head", kernel_init=_wide_projection)(h)
-
-  model = DeclaredFloat16()
-  x = jax.random.normal(jax.random.key(1), (8, 4))
-  variables = jax.jit(model.init)(jax.random.key(0), x)
-  report = jaxmp.flax.find_overflowing_modules(
-      jaxmp.get_policy("mixed_float16").wrap_apply(model.apply), variables, x)
-  assert report.modules == ("head",)
-  promoted = report.propose_policy("mixed_float16").wrap_apply(model.apply)
-  ops = jaxmp.precision_report(promoted, variables, x).ops
-  assert [(op.module, op.inputs) for op in ops] == [
-      ("DeclaredFloat16/body", ("float16", "float16")),
-      ("DeclaredFloat16/head", ("float32", "float32"))]
-  assert jaxmp.flax.find_overflowing_modules(promoted, variables, x).modules == ()
+    h = nn.relu(nn.Dense(512, dtype=jnp.float16, name="body")(x))
+    return nn.Dense(8, dtype=jnp.float16, name="head", kernel_init=_wide_projection)(h)
 
 
 class Squares(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     h = nn.Dense(2, name="dense")(x) * 3e4
     return h * h  # the model's own operation overflows
 
 
-def test_the_proposal_keeps_a_module_policys_rules_or_promotes_the_whole_model():
-  x = jax.random.normal(jax.random.key(1), (2, 4))
-  report = jaxmp.flax.find_overflowing_modules(
-      jaxmp.get_policy("mixed_float16").wrap_apply(OneBadModule().apply),
-      jax.jit(OneBadModule().init)(jax.random.key(0), x), x)
-  base = jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_float16")
-  assert report.propose_policy(base) == jaxmp.flax.ModulePolicy(
-      {"head": "float32", nn.LayerNorm: "float32"}, default="mixed_float16",
-      first_match=True, override_dtype=True)
-  x = jnp.ones((1, 2))
-  apply = jaxmp.get_policy("mixed_float16").wrap_apply(Squares().apply)
-  report = jaxmp.flax.find_overflowing_modules(
-      apply, Squares().init(jax.random.key(0), x), x)
-  assert report.modules == ("",)
-  assert report.propose_policy("mixed_float16") == jaxmp.get_policy("float32")
+def _forward(model, x):
+  """``forward(policy)``: what find_overflowing_modules takes, under the policy."""
+  as_policy = lambda p: jaxmp.flax.ModulePolicy({}, default=p) if isinstance(p, str) else p
+  if isinstance(model, nnx.Module):
+    return lambda policy: (as_policy(policy).set_nnx_dtypes(model), (model, x))[1]
+  variables = jax.jit(model.init)(jax.random.key(0), x)
+  return lambda policy: (as_policy(policy).wrap_apply(model.apply), variables, x)
+
+
+F16_F32 = [("float16", "float16"), ("float32", "float32")]
+PROMOTIONS = {  # the model, its batch, the base policy; what overflows, the proposal, its dots
+    "downstream_linen": (lambda: _forward(FeedsAFloat16Head(), jnp.ones((1, 3))), "mixed_float16",
+                         ("body",), {"body": "float32", "head": "float32"}, F16_F32[1:] * 2),
+    "downstream_nnx": (lambda: _forward(NnxHead(nnx.Rngs(0), body_scale=4e4), X), "mixed_float16",
+                       ("body",), {"body": "float32", "head": "float32"}, F16_F32[1:] * 2),
+    "over_a_declared_float16": (
+        lambda: _forward(DeclaredFloat16(), jax.random.normal(jax.random.key(1), (8, 4))),
+        "mixed_float16", ("head",), {"head": "float32"}, F16_F32),
+    "keeping_the_rules": (
+        lambda: _forward(OneBadModule(), jax.random.normal(jax.random.key(1), (2, 4))),
+        jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_float16"), ("head",),
+        {"head": "float32", nn.LayerNorm: "float32"}, F16_F32),
+    "the_whole_model": (lambda: _forward(Squares(), jnp.ones((1, 2))), "mixed_float16", ("",),
+                        None, F16_F32[1:]),
+}
+
+
+@pytest.mark.parametrize("case", PROMOTIONS)
+def test_the_proposed_policy_promotes_what_overflows_and_runs_finite_on_its_batch(case):
+  """The modules that produce the first inf and those it overflows downstream,
+  over a declared dtype, keeping a ModulePolicy's rules; or the whole model."""
+  forward, base, modules, rules, dots = PROMOTIONS[case]
+  forward = forward()
+  report = jaxmp.flax.find_overflowing_modules(*forward(base))
+  assert report.modules == modules
+  policy = report.propose_policy(base)
+  assert policy == (jaxmp.get_policy("float32") if rules is None else jaxmp.flax.ModulePolicy(
+      rules, default="mixed_float16", first_match=not isinstance(base, str),
+      override_dtype=True))
+  assert _dot_dtypes(*forward(policy)) == dots
+  assert jaxmp.flax.find_overflowing_modules(*forward(policy)).modules == ()
+
+
+def test_the_innermost_producer_is_reported_however_deep():
+  """model -> block -> head: head produces the inf; the block and model around it are not."""
+
+  class Calls(nnx.Module):  # its one child, by the name given
+    def __init__(self, **child):
+      ((self.child, module),) = child.items()
+      setattr(self, self.child, module)
+
+    def __call__(self, x):
+      return getattr(self, self.child)(x)
+
+  model = Calls(block=Calls(head=NnxHead(nnx.Rngs(0), head_scale=1e5)))
+  jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
+  report = jaxmp.flax.find_overflowing_modules(model, X)
+  assert [c.path for c in report.calls if not c.outputs_finite] == [
+      "", "block", "block/head", "block/head/head"]
+  assert report.modules == ("block/head/head",)

@@ -1,17 +1,15 @@
 """Tests of jaxmp.flax.ModulePolicy: per-module policies for Linen and NNX.
 
-The dtypes each module computes in are read off the jaxpr, not inferred from
-outputs. A promise that holds in both frameworks is tested once, over both
-(an adapter per framework traces its model under the policy), and the
-equations are split at the matrix products; the Linen-only tests read each
-module's name off its equations' name stack. The error messages live in
-tests/test_bad_input.py.
+The dtypes each module computes in are read off the jaxpr (split at the matrix
+products), not inferred from outputs; a promise of both frameworks is tested
+once over both. The error messages live in tests/test_bad_input.py.
 """
 
 import dataclasses
 import functools
+import types
 import warnings
-from typing import Any, NamedTuple
+from typing import Any
 
 import chex
 import flax.linen as nn
@@ -25,35 +23,15 @@ from flax import nnx
 import jaxmp
 import jaxmp.flax
 from matmul_dtypes import input_dtypes, matmul_dtypes
+from models import LinenMLP
 
-BF16 = np.dtype(jnp.bfloat16)
-F16 = np.dtype(jnp.float16)
-F32 = np.dtype(jnp.float32)
+BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 CONV, DOT = "conv_general_dilated", "dot_general"
 
 
 def float_out_dtypes(eqns):
-  return {
-      np.dtype(v.aval.dtype)
-      for e in eqns
-      for v in e.outvars
-      if jnp.issubdtype(v.aval.dtype, jnp.floating)
-  }
-
-
-def eqns_of(jaxpr, module_name):
-  """The equations run inside the Linen module called ``module_name``."""
-  return [
-      e for e in jaxpr.jaxpr.eqns
-      if module_name in str(e.source_info.name_stack).split("/")
-  ]
-
-
-def dot_dtypes(eqns):
-  return [
-      tuple(np.dtype(v.aval.dtype) for v in e.invars)
-      for e in eqns if e.primitive.name == "dot_general"
-  ]
+  return {np.dtype(v.aval.dtype) for e in eqns for v in e.outvars
+          if jnp.issubdtype(v.aval.dtype, jnp.floating)}
 
 
 def products(jaxpr):
@@ -87,11 +65,7 @@ def assert_computes_in_float32(eqns, input_dtype):
   assert float_out_dtypes(eqns) == {F32}
 
 
-# Linen and NNX: each promise once, over both, with one model of each.
-
-
 class LinenBlock(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     return nn.LayerNorm(name="norm")(nn.Dense(3, name="dense")(x))
@@ -102,12 +76,10 @@ class LinenNested(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    x = LinenBlock(name="block1")(LinenBlock(name="block0")(x))
-    return nn.Dense(2, name="head")(x)
+    return nn.Dense(2, name="head")(LinenBlock(name="block1")(LinenBlock(name="block0")(x)))
 
 
 class NnxBlock(nnx.Module):
-
   def __init__(self, rngs):
     self.dense = nnx.Linear(3, 3, rngs=rngs)
     self.norm = nnx.LayerNorm(3, rngs=rngs)
@@ -117,7 +89,6 @@ class NnxBlock(nnx.Module):
 
 
 class NnxNested(nnx.Module):
-
   def __init__(self, rngs):
     self.block0 = NnxBlock(rngs)
     self.block1 = NnxBlock(rngs)
@@ -134,10 +105,8 @@ class DeclaredFloat32(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    x = nn.Conv(4, (3, 3), dtype=self.dtype)(x)
-    x = nn.LayerNorm(dtype=self.dtype)(x)
-    x = x.reshape((x.shape[0], -1))
-    x = SetupBlock(dtype=self.dtype)(x)
+    x = nn.LayerNorm(dtype=self.dtype)(nn.Conv(4, (3, 3), dtype=self.dtype)(x))
+    x = SetupBlock(dtype=self.dtype)(x.reshape((x.shape[0], -1)))
     return nn.Dense(3, dtype=self.dtype, name="head")(x)
 
 
@@ -165,69 +134,47 @@ class NnxDeclaredFloat32(nnx.Module):
 
   def __call__(self, x):
     x = self.norm(self.conv(x))
-    x = nnx.relu(self.block(x.reshape((x.shape[0], -1))))
-    return self.head(x)
+    return self.head(nnx.relu(self.block(x.reshape((x.shape[0], -1)))))
 
 
-class Traced(NamedTuple):
-  jaxpr: Any  # of the forward pass
-  grads: set  # the dtypes of the gradients
-  report: dict | None  # what set_nnx_dtypes set (NNX)
-
-
-def traced(forward, params, x):
-  """``forward(params, x)`` traced, and the dtypes of its gradients: nothing
-  runs or compiles."""
-  grads = jax.eval_shape(jax.grad(lambda p: forward(p, x).astype(F32).sum()), params)
-  return jax.make_jaxpr(forward)(params, x), {g.dtype for g in jax.tree_util.tree_leaves(grads)}
-
-
-class Linen:
-  """``policy.wrap_apply(model.apply)``; the model's own fields stay."""
-
-  LayerNorm, Block = nn.LayerNorm, LinenBlock
-  Nested, Declared = LinenNested, DeclaredFloat32
-
-  @staticmethod
-  def trace(model_class, policy, x):
-    model = model_class()
-    params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
-    apply = policy.wrap_apply(model.apply)
-    return Traced(*traced(lambda p, x: apply({"params": p}, x), params, x), None)
-
-
-class Nnx:
-  """``policy.set_nnx_dtypes(model)``, which sets each layer's dtype."""
-
-  LayerNorm, Block = nnx.LayerNorm, NnxBlock
-  Nested, Declared = NnxNested, NnxDeclaredFloat32
-
-  @staticmethod
-  def trace(model_class, policy, x):
-    model = nnx.eval_shape(lambda: model_class(nnx.Rngs(0)))
+def trace(framework, model, policy, x):
+  """The model (a key of MODELS) under the policy (Linen: wrap_apply; NNX:
+  set_nnx_dtypes), traced: its forward jaxpr, gradients' dtypes, NNX report."""
+  model, report = MODELS[framework][model], None
+  if framework == "linen":
+    apply = policy.wrap_apply(model().apply)
+    params = jax.eval_shape(model().init, jax.random.key(0), x)["params"]
+    forward = lambda p, x: apply({"params": p}, x)
+  else:
+    model = nnx.eval_shape(lambda: model(nnx.Rngs(0)))
     report = policy.set_nnx_dtypes(model)
     graphdef, params = nnx.split(model)
-    return Traced(*traced(lambda p, x: nnx.merge(graphdef, p)(x), params, x), report)
+    forward = lambda p, x: nnx.merge(graphdef, p)(x)
+  grads = jax.eval_shape(jax.grad(lambda p: forward(p, x).astype(F32).sum()), params)
+  return types.SimpleNamespace(jaxpr=jax.make_jaxpr(forward)(params, x), report=report,
+                               grads={g.dtype for g in jax.tree_util.tree_leaves(grads)})
 
 
-FRAMEWORKS = {"linen": Linen, "nnx": Nnx}
-frameworks = pytest.mark.parametrize("framework", sorted(FRAMEWORKS))
+MODELS = {"linen": {"LayerNorm": nn.LayerNorm, "Dense": nn.Dense, "Block": LinenBlock,
+                    "Nested": LinenNested, "Declared": DeclaredFloat32},
+          "nnx": {"LayerNorm": nnx.LayerNorm, "Dense": nnx.Linear, "Block": NnxBlock,
+                  "Nested": NnxNested, "Declared": NnxDeclaredFloat32}}
+frameworks = pytest.mark.parametrize("framework", sorted(MODELS))
 X = jnp.ones((2, 3))
 
 
 @frameworks
 def test_a_class_rule_keeps_the_layernorms_in_float32_and_the_dense_layers_in_bfloat16(
     framework):
-  fw = FRAMEWORKS[framework]
-  policy = jaxmp.flax.ModulePolicy({fw.LayerNorm: "float32"}, default="mixed_bfloat16")
-  traced = fw.trace(fw.Nested, policy, X)
-  assert dot_dtypes(traced.jaxpr.jaxpr.eqns) == [(BF16, BF16)] * 3
-  norm0, norm1, _ = after_each_product(traced.jaxpr)
-  assert_computes_in_float32(norm0, BF16)  # the bfloat16 Dense's output
-  assert_computes_in_float32(norm1, BF16)
+  policy = jaxmp.flax.ModulePolicy({MODELS[framework]["LayerNorm"]: "float32"},
+                                   default="mixed_bfloat16")
+  traced = trace(framework, "Nested", policy, X)
+  assert products(traced.jaxpr) == [(DOT, (BF16, BF16))] * 3
+  for norm in after_each_product(traced.jaxpr)[:2]:
+    assert_computes_in_float32(norm, BF16)  # the bfloat16 Dense's output
   assert traced.grads == {F32}  # the master params' dtype
   # The check discriminates: without the rule, the LayerNorms compute in bfloat16.
-  control = fw.trace(fw.Nested, jaxmp.flax.ModulePolicy({}, default="mixed_bfloat16"), X)
+  control = trace(framework, "Nested", jaxmp.flax.ModulePolicy({}, default="mixed_bfloat16"), X)
   assert all(BF16 in float_out_dtypes(norm) for norm in after_each_product(control.jaxpr)[:2])
   if framework == "linen":
     assert traced.jaxpr.out_avals[0].dtype == F32  # the default policy's output dtype
@@ -239,13 +186,12 @@ def test_a_class_rule_keeps_the_layernorms_in_float32_and_the_dense_layers_in_bf
 
 @frameworks
 def test_rules_by_name_by_path_and_by_an_enclosing_block(framework):
-  fw = FRAMEWORKS[framework]
-
-  def traced(rules):
-    return fw.trace(fw.Nested, jaxmp.flax.ModulePolicy(rules, default="mixed_bfloat16"), X)
+  def traced(rules, **kwargs):
+    kwargs = {"default": "mixed_bfloat16", **kwargs}
+    return trace(framework, "Nested", jaxmp.flax.ModulePolicy(rules, **kwargs), X)
 
   def dots(traced):  # of block0/dense, block1/dense, head
-    return dot_dtypes(traced.jaxpr.jaxpr.eqns)
+    return [dtypes for _, dtypes in products(traced.jaxpr)]
 
   half, full = (BF16, BF16), (F32, F32)
   by_name = traced({"head": "float32"})
@@ -255,7 +201,13 @@ def test_rules_by_name_by_path_and_by_an_enclosing_block(framework):
   by_block = traced({"block0": "float32"})
   assert dots(by_block) == [full, half, half]
   assert float_out_dtypes(after_each_product(by_block.jaxpr)[0]) == {F32}  # its LayerNorm
-  assert dots(traced({fw.Block: "float32"})) == [full, full, half]
+  assert dots(traced({MODELS[framework]["Block"]: "float32"})) == [full, full, half]
+  # Overlapping rules resolve by first_match (without it they raise: the
+  # catalogue's "ModulePolicy: overlapping rules"); default=None leaves the
+  # other layers alone.
+  assert dots(traced([("block1/dense", "float32"), (MODELS[framework]["Dense"], "bf16")],
+                     default="float32", first_match=True)) == [half, full, half]
+  assert dots(traced({"head": "bf16"}, default=None)) == [full, full, half]
   if framework == "nnx":  # what set_nnx_dtypes set
     assert by_name.report["head"] == "p=f32,c=f32,o=f32"
     assert by_name.report["block1/dense"] == "p=f32,c=bf16,o=f32"
@@ -266,119 +218,29 @@ def test_layers_built_with_float32_compute_in_float16_but_a_float32_rule_holds(f
   """override_dtype (Linen; NNX always overrides): every conv and matmul of a
   model whose layers declare dtype=float32 runs in float16, the LayerNorm
   kept in float32 by its rule computes in float32, the master params stay."""
-  fw = FRAMEWORKS[framework]
   x = jnp.ones((2, 5, 5, 3))
-  plain = fw.trace(fw.Declared, jaxmp.flax.ModulePolicy({}, default=None), x)
+  plain = trace(framework, "Declared", jaxmp.flax.ModulePolicy({}, default=None), x)
   assert {dtypes for _, dtypes in products(plain.jaxpr)} == {(F32, F32)}
-  policy = jaxmp.flax.ModulePolicy({fw.LayerNorm: "float32"}, default="mixed_float16",
-                                   override_dtype=True)
-  traced = fw.trace(fw.Declared, policy, x)
+  policy = jaxmp.flax.ModulePolicy({MODELS[framework]["LayerNorm"]: "float32"},
+                                   default="mixed_float16", override_dtype=True)
+  traced = trace(framework, "Declared", policy, x)
   assert products(traced.jaxpr) == [(CONV, (F16, F16)), (DOT, (F16, F16)), (DOT, (F16, F16))]
-  norm, _, _ = after_each_product(traced.jaxpr)
-  assert_computes_in_float32(norm, F16)  # only its float16 input is converted
+  # The LayerNorm converts only its float16 input; the gradients are float32.
+  assert_computes_in_float32(after_each_product(traced.jaxpr)[0], F16)
   assert traced.grads == {F32}
 
 
-# Linen only.
-
-
-class LinenNet(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.Dense(8)(x)
-    x = nn.LayerNorm()(x)
-    return nn.Dense(4)(x)
-
-
-def linen_jaxpr(model, policy, x=None):
-  x = jnp.ones((2, 3)) if x is None else x
-  variables = jax.jit(model.init)(jax.random.key(0), x)
-  apply = policy.wrap_apply(model.apply)
-  return jax.make_jaxpr(apply)(variables, x), apply, variables
-
-
-def test_linen_overlap_resolves_by_first_match():
-  # Without first_match it raises: the catalogue's "ModulePolicy: overlapping rules".
-  rules = [(nn.Dense, "bf16"), ("Dense_1", "float32")]
-  first = jaxmp.flax.ModulePolicy(rules[::-1], default="float32", first_match=True)
-  jaxpr, _, _ = linen_jaxpr(LinenNet(), first)
-  assert dot_dtypes(eqns_of(jaxpr, "Dense_0")) == [(BF16, BF16)]
-  assert dot_dtypes(eqns_of(jaxpr, "Dense_1")) == [(F32, F32)]
-
-
-def test_linen_default_none_leaves_other_modules_alone():
-  policy = jaxmp.flax.ModulePolicy({"Dense_1": "bf16"}, default=None)
-  jaxpr, apply, variables = linen_jaxpr(LinenNet(), policy)
-  assert dot_dtypes(eqns_of(jaxpr, "Dense_0")) == [(F32, F32)]
-  assert dot_dtypes(eqns_of(jaxpr, "Dense_1")) == [(BF16, BF16)]
-  # Without any rule and default, wrap_apply is the identity.
-  plain = jaxmp.flax.ModulePolicy({}, default=None).wrap_apply(LinenNet().apply)
-  chex.assert_trees_all_equal(
-      plain(variables, jnp.ones((2, 3))), LinenNet().apply(variables, jnp.ones((2, 3))))
-
-
-def test_linen_float32_module_sees_exact_float32_params():
-  # A LayerNorm scale of 1 + 2**-10 is not a bfloat16 number: the float32
-  # LayerNorm must use it unrounded, as a float32 LayerNorm alone would.
-  model = LinenNet()
-  x = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
-  params = jax.jit(model.init)(jax.random.key(0), x)["params"]
-  params["LayerNorm_0"]["scale"] = jnp.full((8,), 1.0 + 2.0**-10)
-  captured = {}
-
-  def capture(next_fun, args, kwargs, context):
-    out = next_fun(*args, **kwargs)
-    if isinstance(context.module, nn.LayerNorm):
-      captured["input"], captured["out"] = args[0], out
-    return out
-
-  policy = jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_bfloat16")
-  with nn.intercept_methods(capture):
-    policy.wrap_apply(model.apply)({"params": params}, x)
-  assert captured["input"].dtype == BF16  # what the bfloat16 Dense produced
-  expected = nn.LayerNorm().apply(
-      {"params": params["LayerNorm_0"]}, captured["input"].astype(F32))
-  chex.assert_trees_all_equal(captured["out"], expected)
-  rounded = nn.LayerNorm().apply(
-      {"params": {"scale": jnp.ones(8), "bias": params["LayerNorm_0"]["bias"]}},
-      captured["input"].astype(F32))
-  assert not np.array_equal(captured["out"], rounded)
+@functools.cache
+def mlp_variables():
+  return jax.jit(LinenMLP().init)(jax.random.key(0), jnp.ones((2, 4)))
 
 
 class ScanCell(nn.Module):
-
   @nn.compact
   def __call__(self, carry, x):
     del x
     carry = nn.LayerNorm()(nn.Dense(4)(carry))
     return carry, carry
-
-
-class LiftedNet(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):
-    x = nn.remat(nn.Dense)(4)(x)
-    stack = nn.scan(ScanCell, variable_axes={"params": 0},
-                    split_rngs={"params": True}, length=2)
-    x, _ = stack()(x, jnp.zeros((2,)))
-    return x
-
-
-def test_linen_lifted_transforms():
-  # In a scan the carry keeps its dtype, so the float32 LayerNorm hands its
-  # output back in the surrounding compute dtype (output dtype bfloat16).
-  policy = jaxmp.flax.ModulePolicy({nn.LayerNorm: "p=f32,c=f32,o=bf16"},
-                                   default="mixed_bfloat16")
-  model = LiftedNet()
-  x = jnp.ones((2, 4))
-  params = jax.jit(model.init)(jax.random.key(0), x)["params"]
-  apply = policy.wrap_apply(model.apply)
-  assert apply({"params": params}, x).dtype == F32
-  grads = jax.jit(jax.grad(lambda p: apply({"params": p}, x).sum()))(params)
-  chex.assert_trees_all_equal_shapes_and_dtypes(grads, params)
-  assert all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(grads))
 
 
 def test_jit_hashable_and_str():
@@ -396,9 +258,7 @@ def test_jit_hashable_and_str():
       "default=p=f32,c=bf16,o=f32, first_match=False, override_dtype=True)")
   assert str(jaxmp.flax.ModulePolicy({}, override_dtype=(nn.Dense,))).endswith(
       "override_dtype=(flax.linen.linear.Dense,))")
-  model = LinenNet()
-  x = jnp.ones((2, 3))
-  variables = model.init(jax.random.key(0), x)
+  model, x, variables = LinenMLP(), jnp.ones((2, 4)), mlp_variables()
 
   @jax.jit(static_argnums=0)
   @chex.assert_max_traces(n=1)
@@ -407,9 +267,9 @@ def test_jit_hashable_and_str():
 
   chex.assert_trees_all_equal(apply(a, variables, x), a.wrap_apply(model.apply)(variables, x))
   apply(b, variables, x)  # an equal policy: no retrace
-
-
-# The model's own dtype: override_dtype.
+  # Without any rule and default, wrap_apply is the identity.
+  chex.assert_trees_all_equal(jaxmp.flax.ModulePolicy({}, default=None).wrap_apply(
+      model.apply)(variables, x), model.apply(variables, x))
 
 
 @functools.cache
@@ -419,91 +279,55 @@ def declared_model():
   return model, x, jax.jit(model.init)(jax.random.key(0), x)
 
 
-def forward_and_backward(policy, model, variables, x):
-  apply = policy.wrap_apply(model.apply)
-
-  def loss(params):
-    return jnp.mean(apply({"params": params}, x).astype(jnp.float32) ** 2)
-
-  return jax.value_and_grad(loss), variables["params"]
-
-
-
-def output_dtypes(policy, model, variables, x):
-  """The dtype each submodule of the root returns, under the policy."""
-  seen = {}
-
-  def capture(next_fun, args, kwargs, context):
-    out = next_fun(*args, **kwargs)
-    if context.method_name == "__call__" and len(context.module.scope.path) == 1:
-      seen[context.module.name] = np.dtype(out.dtype)
-    return out
-
-  with nn.intercept_methods(capture):  # traced: the dtypes, not the values
-    jax.eval_shape(policy.wrap_apply(model.apply), variables, x)
-  return seen
-
-
 def test_declared_dtypes_win_unless_override_dtype_makes_every_conv_and_matmul_float16():
+  """override_dtype=True overrides every layer; a tuple, the layers of those classes."""
   model, x, variables = declared_model()
   plain = jaxmp.flax.ModulePolicy({}, default="mixed_float16")
   policy = jaxmp.flax.ModulePolicy({}, default="mixed_float16", override_dtype=True)
-  found = {p: matmul_dtypes(*forward_and_backward(p, model, variables, x)) for p in (plain, policy)}
   names = [CONV, DOT, DOT, DOT, DOT, DOT, DOT, CONV]  # forward, then backward
-  assert found[plain] == [(name, ("float32", "float32")) for name in names]
-  assert found[policy] == [(name, ("float16", "float16")) for name in names]
-  # The LayerNorm returns float16; without the override, float32.
-  assert output_dtypes(policy, model, variables, x) == {
-      "Conv_0": F16, "LayerNorm_0": F16, "SetupBlock_0": F16, "head": F16}
-  assert output_dtypes(plain, model, variables, x) == {
-      "Conv_0": F32, "LayerNorm_0": F32, "SetupBlock_0": F32, "head": F32}
-  # The master params, the gradients and the model's own fields are untouched.
-  grads = jax.eval_shape(
-      jax.grad(lambda p: policy.wrap_apply(model.apply)({"params": p}, x).sum()),
-      variables["params"])
-  chex.assert_trees_all_equal_shapes_and_dtypes(grads, variables["params"])
+  for p, dtype in ((plain, "float32"), (policy, "float16")):
+    apply = p.wrap_apply(model.apply)
+    loss = lambda params: jnp.mean(apply({"params": params}, x).astype(jnp.float32) ** 2)
+    assert matmul_dtypes(jax.value_and_grad(loss), variables["params"]) == [
+        (name, (dtype, dtype)) for name in names]
+    # The LayerNorm returns float16 with the override; without, float32.
+    _, state = jax.eval_shape(lambda v: apply(v, x, capture_intermediates=True), variables)
+    assert {name: np.dtype(out["__call__"][0].dtype) for name, out in state[
+        "intermediates"].items() if name != "__call__"} == dict.fromkeys(
+            ("Conv_0", "LayerNorm_0", "SetupBlock_0", "head"), np.dtype(dtype))
+  # The model's own fields are untouched (the gradients' float32: test_layers_built_with_
+  # float32_compute_in_float16_but_a_float32_rule_holds).
   assert model.dtype is jnp.float32
   assert input_dtypes(model.apply, variables, x) == {"float32"}  # without the policy
   # A TrainState under the policy trains its float32 params in float16.
   state = jaxmp.flax.TrainState.create(
       apply_fn=model.apply, params=variables["params"], tx=optax.sgd(0.1), policy=policy)
-
+  loss_fn = lambda params: optax.softmax_cross_entropy_with_integer_labels(
+      state.apply_fn({"params": params}, x), jnp.array([0, 2])).mean()
   def train_step(state):
-    def loss_fn(params):
-      logits = state.apply_fn({"params": params}, x)
-      return optax.softmax_cross_entropy_with_integer_labels(logits, jnp.array([0, 2])).mean()
-
     loss, grads = state.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), loss
-
   assert input_dtypes(train_step, state) == {"float16"}
   new_state, loss = jax.jit(train_step)(state)
   assert np.isfinite(loss) and bool(new_state.metrics["last_finite"])
   assert {p.dtype for p in jax.tree_util.tree_leaves(new_state.params)} == {F32}
-
-
-def test_override_dtype_for_chosen_classes_only():
-  model, x, variables = declared_model()
-  policy = jaxmp.flax.ModulePolicy({}, default="mixed_float16", override_dtype=(nn.Dense,))
-  # The model's own dtype (passed to the Conv) is not overridden; the Dense
-  # layers' is, the one built in setup too.
-  assert matmul_dtypes(policy.wrap_apply(model.apply), variables, x) == [
-      (CONV, ("float32", "float32")), (DOT, ("float16", "float16")),
-      (DOT, ("float16", "float16"))]
-  # Overriding the model class passes the compute dtype on to its layers.
+  # For chosen classes only: the model's own dtype (passed to the Conv) is not
+  # overridden, the Dense layers' is (the one built in setup too); overriding
+  # the model class passes the compute dtype on to its layers.
+  chosen = jaxmp.flax.ModulePolicy({}, default="mixed_float16", override_dtype=(nn.Dense,))
+  assert matmul_dtypes(chosen.wrap_apply(model.apply), variables, x) == [
+      (CONV, ("float32",) * 2), (DOT, ("float16",) * 2), (DOT, ("float16",) * 2)]
   by_model = jaxmp.flax.ModulePolicy({}, default="mixed_float16",
                                      override_dtype=(DeclaredFloat32,))
   assert input_dtypes(by_model.wrap_apply(model.apply), variables, x) == {"float16"}
 
 
 class DeclaredHead(nn.Module):
-
   head_dtype: Any = jnp.float32  # the head's own dtype
 
   @nn.compact
   def __call__(self, x):
-    x = nn.relu(nn.Dense(8, name="body")(x))
-    return nn.Dense(4, dtype=self.head_dtype, name="head")(x)
+    return nn.Dense(4, dtype=self.head_dtype, name="head")(nn.relu(nn.Dense(8, name="body")(x)))
 
 
 @pytest.mark.parametrize("policy, declared, computes", [
@@ -516,36 +340,32 @@ def test_a_declared_dtype_the_policy_does_not_override_is_reported_once_per_trac
     policy, declared, computes):
   # Overridden or reported, never silently kept: the wrapped apply sees every
   # module as it is traced, so the report costs no trace of its own.
-  model, x = DeclaredHead(declared), jnp.ones((2, 3))
+  model, x, traces = DeclaredHead(declared), jnp.ones((2, 3)), []
   params = model.init(jax.random.key(0), x)["params"]
-  traces = []
 
-  def step_of(**kwargs):
+  def step_of(**kwargs):  # value_and_grad of a TrainState, jitted; its apply_fn
     state = jaxmp.flax.TrainState.create(
         apply_fn=model.apply, params=params, tx=optax.sgd(0.1), **kwargs)
 
-    def step(state, x):
-      def loss_fn(p, x):
-        traces.append(None)
-        return jnp.mean(state.apply_fn({"params": p}, x) ** 2)
-      return state.value_and_grad(loss_fn)(state.params, x)
+    def loss_fn(p, x):
+      traces.append(None)
+      return jnp.mean(state.apply_fn({"params": p}, x) ** 2)
 
-    return functools.partial(jax.jit(step), state)
+    return functools.partial(jax.jit(state.value_and_grad(loss_fn)), state.params), state.apply_fn
 
-  step = step_of(policy=policy)
+  step, apply_fn = step_of(policy=policy)
   with warnings.catch_warnings(record=True) as record:
     warnings.simplefilter("always")
     step(x)
     step(x)  # no new trace: no new report
     # The head's own dtype wins over its policy.
-    assert matmul_dtypes(step.args[0].apply_fn, {"params": params}, x)[1] == (
-        DOT, (declared.name, declared.name))
+    assert matmul_dtypes(apply_fn, {"params": params}, x)[1] == (DOT, (declared.name,) * 2)
   warned = [w for w in record if issubclass(w.category, jaxmp.PrecisionWarning)]
   message = str(warned[0].message)
   assert len(traces) == 1 and len(warned) == 2  # the step's, once; matmul_dtypes'
-  assert f"'head' declares dtype={declared.name}, its policy computes in {computes.name}" in message
-  assert "Drop dtype=" in message and "override_dtype=True" in message
-  assert f"ModulePolicy({{'head': '{declared.name}'}}" in message
+  assert all(part in message for part in (
+      f"'head' declares dtype={declared.name}, its policy computes in {computes.name}",
+      "Drop dtype=", "override_dtype=True", f"ModulePolicy({{'head': '{declared.name}'}}"))
   assert warned[0].filename == __file__  # points at the call of the model
   # Kept on purpose by a rule, overridden, or autocast: nothing to report.
   with warnings.catch_warnings():
@@ -555,10 +375,7 @@ def test_a_declared_dtype_the_policy_does_not_override_is_reported_once_per_trac
         {"policy": jaxmp.PathPolicy({"^head/": declared.name}, default="mixed_float16")},
         {"policy": jaxmp.flax.ModulePolicy({}, default="mixed_float16", override_dtype=True)},
         {} if isinstance(policy, jaxmp.PathPolicy) else {"policy": policy, "autocast": True}):
-      step_of(**kwargs)(x)
-
-
-# The policy's fields: each module that gets them runs as a copy.
+      step_of(**kwargs)[0](x)
 
 
 class EveryBinding(nn.Module):
@@ -582,7 +399,6 @@ class EveryBinding(nn.Module):
 
 
 class EveryCompact(nn.Module):
-
   dtype: Any = None
 
   @nn.compact
@@ -609,18 +425,24 @@ def run_every_binding(policy):
 
 
 def test_a_module_given_the_policys_dtype_keeps_its_variables_and_rngs():
-  """Under float32 every layer (dtype=None) is given dtype=float32: each runs
-  as a copy bound to its variables, and init, the output (dropout included)
-  and the new batch statistics are bit for bit those of the plain model."""
+  """Given dtype=float32, every layer runs as a copy bound to its variables:
+  init, output (dropout included) and new batch statistics bit for bit as the
+  plain model's. In bfloat16 it trains; in the scan the carry keeps its dtype
+  (the float32 LayerNorm returns bfloat16)."""
   policy = jaxmp.flax.ModulePolicy({}, default="float32", override_dtype=True)
-  chex.assert_trees_all_equal(run_every_binding(policy), run_every_binding(None))
-  half = jaxmp.flax.ModulePolicy({}, default="mixed_bfloat16", override_dtype=True)
-  model, tokens = EveryBinding(), jnp.ones((2, 3), jnp.int32)
-  variables = jax.eval_shape(model.init, jax.random.key(0), tokens)  # traced only
-  assert {d for _, d in matmul_dtypes(functools.partial(
-      half.wrap_apply(model.apply), mutable=["batch_stats"],
-      rngs={"dropout": jax.random.key(2)}), variables, tokens)} == {
-          ("bfloat16", "bfloat16")}
+  ran = run_every_binding(policy)
+  chex.assert_trees_all_equal(ran, run_every_binding(None))
+  half = jaxmp.flax.ModulePolicy({nn.LayerNorm: "p=f32,c=f32,o=bf16"}, default="mixed_bfloat16",
+                                 override_dtype=True)
+  variables, tokens = ran[0], jnp.array([[1, 2, 3], [4, 5, 6]])
+  apply = functools.partial(half.wrap_apply(EveryBinding().apply), mutable=["batch_stats"],
+                            rngs={"dropout": jax.random.key(2)})
+  assert {d for _, d in matmul_dtypes(apply, variables, tokens)} == {("bfloat16", "bfloat16")}
+  assert jax.eval_shape(apply, variables, tokens)[0].dtype == F32
+  grads = jax.jit(jax.grad(lambda p: apply({**variables, "params": p}, tokens)[0].sum()))(
+      variables["params"])
+  chex.assert_trees_all_equal_shapes_and_dtypes(grads, variables["params"])
+  assert all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(grads))
 
 
 def fields(module):
@@ -628,15 +450,10 @@ def fields(module):
           if f.name not in ("parent", "name")}
 
 
-def linen_net():
-  x = jnp.ones((2, 3))
-  return LinenNet(), x, None
-
-
 @pytest.mark.parametrize("policy, make_model", [
     (jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_float16",
                              override_dtype=True), declared_model),
-    (jaxmp.flax.ModulePolicy({}, default="mixed_fp8"), linen_net)],
+    (jaxmp.flax.ModulePolicy({}, default="mixed_fp8"), lambda: (LinenMLP(), jnp.ones((2, 4)), 0))],
     ids=["override_dtype", "fp8"])
 @pytest.mark.parametrize("method", ["init", "apply"])
 def test_no_field_of_a_bound_module_changes(policy, make_model, method):
@@ -661,9 +478,8 @@ def test_no_field_of_a_bound_module_changes(policy, make_model, method):
   args = (jax.random.key(0), x) if method == "init" else (variables, x)
   with nn.intercept_methods(outside):
     jax.eval_shape(policy.wrap_apply(run), *args)
-  changed = [module.name for module, now in seen
-             if id(module) in built and now != built[id(module)][1]]
-  assert not changed
+  assert not [module.name for module, now in seen
+              if id(module) in built and now != built[id(module)][1]]
   # The policy took effect on what ran.
   if "fp8" in str(policy):
     assert any(f.get("dot_general_cls") is not None for _, f in seen)
