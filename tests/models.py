@@ -19,6 +19,7 @@ it asserts the compiler's figures (see conftest.py).
 import importlib
 import pathlib
 import sys
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -98,13 +99,18 @@ def poison(tree, value, leaf_index=0, flat_index=0):
 
 
 class LinenMLP(nn.Module):
-  """Dense(16), relu, LayerNorm, Dense(3): 4 features in, 3 logits out."""
+  """Dense(16), relu, LayerNorm, Dense(3): 4 features in, 3 logits out.
+
+  ``dtype``, when set, is declared on every layer (None: Flax's default, the
+  dtype of the inputs)."""
+
+  dtype: Any = None
 
   @nn.compact
   def __call__(self, x):
-    x = nn.relu(nn.Dense(16)(x))
-    x = nn.LayerNorm()(x)
-    return nn.Dense(3)(x)
+    x = nn.relu(nn.Dense(16, dtype=self.dtype)(x))
+    x = nn.LayerNorm(dtype=self.dtype)(x)
+    return nn.Dense(3, dtype=self.dtype)(x)
 
 
 class NnxMLP(nnx.Module):
