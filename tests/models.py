@@ -19,7 +19,6 @@ it asserts the compiler's figures (see conftest.py).
 import importlib
 import pathlib
 import sys
-from typing import Any
 
 import flax.linen as nn
 import jax
@@ -99,12 +98,9 @@ def poison(tree, value, leaf_index=0, flat_index=0):
 
 
 class LinenMLP(nn.Module):
-  """Dense(16), relu, LayerNorm, Dense(3): 4 features in, 3 logits out.
+  """Dense(16), relu, LayerNorm, Dense(3): 4 features in, 3 logits out."""
 
-  ``dtype``, when set, is declared on every layer (None: Flax's default, the
-  dtype of the inputs)."""
-
-  dtype: Any = None
+  dtype: object = None  # declared on every layer when set (None: the inputs' dtype)
 
   @nn.compact
   def __call__(self, x):
