@@ -159,11 +159,13 @@ def bits(tree):
 class LinenMLP(nn.Module):
   """Dense(16), relu, LayerNorm, Dense(3): 4 features in, 3 logits out."""
 
+  dtype: object = None  # declared on every layer when set (None: the inputs' dtype)
+
   @nn.compact
   def __call__(self, x):
-    x = nn.relu(nn.Dense(16)(x))
-    x = nn.LayerNorm()(x)
-    return nn.Dense(3)(x)
+    x = nn.relu(nn.Dense(16, dtype=self.dtype)(x))
+    x = nn.LayerNorm(dtype=self.dtype)(x)
+    return nn.Dense(3, dtype=self.dtype)(x)
 
 
 class NnxMLP(nnx.Module):

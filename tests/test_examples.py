@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 import jaxmp
+from matmul_dtypes import input_dtypes
 
 pytestmark = pytest.mark.integration
 
@@ -31,27 +32,10 @@ def load(name):
   return module
 
 
-def matmul_dtypes(fn, *args):
-  """The input dtypes of every matmul and convolution of ``fn``, by the audit."""
-  report = jaxmp.precision_report(fn, *args)
-  assert report.ops, "the step has no matmul"
-  return {dtype for op in report.ops for dtype in op.inputs}
-
-
 def a_batch(n=32):
   rng = np.random.default_rng(0)
   return (rng.uniform(size=(n, 64)).astype(np.float32),
           rng.integers(0, 10, n).astype(np.int32))
-
-
-def check_summary(summary, steps, policy):
-  assert summary["steps"] == steps
-  assert summary["param_dtypes"] == ["float32"]
-  assert summary["test_accuracy"] > 0.5  # chance is 0.1
-  if jaxmp.get_policy(policy).needs_loss_scaling:
-    assert summary["loss_scale"] >= 1.0
-  else:
-    assert summary["loss_scale"] == 1.0 and summary["skipped_steps"] == 0
 
 
 @pytest.mark.parametrize("policy, compute", POLICIES)
@@ -75,52 +59,53 @@ def test_quickstart(policy, compute, capsys):
   tx = module.make_optimizer(jaxmp.get_policy(policy))
   params = module.init_params(jax.random.key(0))
   step = module.make_train_step(jaxmp.get_policy(policy), tx)
-  assert matmul_dtypes(step, params, tx.init(params), *a_batch()) == {compute}
+  assert input_dtypes(step, params, tx.init(params), *a_batch()) == {compute}
 
 
-@pytest.mark.parametrize("policy, compute", POLICIES)
-def test_flax_linen(policy, compute, capsys):
-  module = load("flax_linen")
-  summary = module.main(["--policy", policy, "--steps", "20", "--batch-size", "64"])
-  printed = capsys.readouterr().out
-  assert printed.startswith(
-      f"Linen MLP on digits, policy {jaxmp.get_policy(policy)} (LayerNorm in float32)")
-  check_summary(summary, 20, policy)
-  assert matmul_dtypes(module.train_step, module.create_state(policy), *a_batch()) == {compute}
+def linen_step(module, policy):
+  return module.train_step, (module.create_state(policy),)
 
 
-@pytest.mark.parametrize("policy, compute", POLICIES)
-def test_flax_nnx(policy, compute, capsys):
-  module = load("flax_nnx")
-  summary = module.main(["--policy", policy, "--steps", "20", "--batch-size", "64"])
-  printed = capsys.readouterr().out
-  assert printed.startswith(
-      f"NNX MLP on digits, policy {jaxmp.get_policy(policy)} (LayerNorm in float32)")
-  check_summary(summary, 20, policy)
-  graphdef, state = nnx.split(module.create(jaxmp.get_policy(policy)))
+def nnx_step(module, policy):
+  graphdef, state = nnx.split(module.create(policy))
 
   def step(state, x, y):
     model, optimizer = nnx.merge(graphdef, state)
-    return module.train_step(model, optimizer, x, y, jaxmp.get_policy(policy))
+    return module.train_step(model, optimizer, x, y, policy)
 
-  assert matmul_dtypes(step, state, *a_batch()) == {compute}
+  return step, (state,)
+
+
+def equinox_step(module, policy):
+  import equinox as eqx  # pylint: disable=g-import-not-at-top
+
+  model, tx, opt_state = module.create(policy)
+  step, (params, static) = module.make_train_step(policy, tx), eqx.partition(model, eqx.is_array)
+  return (lambda params, opt_state, x, y: eqx.filter(
+      step(eqx.combine(params, static), opt_state, x, y), eqx.is_array)), (params, opt_state)
+
+
+MLPS = {  # what each example prints first; its train step and state
+    "flax_linen": ("Linen MLP on digits, policy {} (LayerNorm in float32)", linen_step),
+    "flax_nnx": ("NNX MLP on digits, policy {} (LayerNorm in float32)", nnx_step),
+    "equinox_mlp": ("Equinox MLP on digits, policy {}", equinox_step),
+}
 
 
 @pytest.mark.parametrize("policy, compute", POLICIES)
-def test_equinox_mlp(policy, compute, capsys):
-  import equinox as eqx  # pylint: disable=g-import-not-at-top
-
-  module = load("equinox_mlp")
+@pytest.mark.parametrize("example", sorted(MLPS))
+def test_an_mlp_example_trains_its_matmuls_in_the_compute_dtype(example, policy, compute, capsys):
+  module, (title, step_and_state) = load(example), MLPS[example]
   summary = module.main(["--policy", policy, "--steps", "20", "--batch-size", "64"])
-  printed = capsys.readouterr().out
-  assert printed.startswith(f"Equinox MLP on digits, policy {jaxmp.get_policy(policy)}")
-  check_summary(summary, 20, policy)
-  model, tx, opt_state = module.create(jaxmp.get_policy(policy))
-  step = module.make_train_step(jaxmp.get_policy(policy), tx)
-  params, static = eqx.partition(model, eqx.is_array)
-  assert matmul_dtypes(lambda params, opt_state, x, y: eqx.filter(
-      step(eqx.combine(params, static), opt_state, x, y), eqx.is_array),
-      params, opt_state, *a_batch()) == {compute}
+  assert capsys.readouterr().out.startswith(title.format(jaxmp.get_policy(policy)))
+  assert (summary["steps"], summary["param_dtypes"]) == (20, ["float32"])
+  assert summary["test_accuracy"] > 0.5  # chance is 0.1
+  if compute == "float16":
+    assert summary["loss_scale"] >= 1.0
+  else:
+    assert summary["loss_scale"] == 1.0 and summary["skipped_steps"] == 0
+  step, state = step_and_state(module, jaxmp.get_policy(policy))
+  assert input_dtypes(step, *state, *a_batch()) == {compute}
 
 
 # -- A translation Transformer whose layers declare dtype=float32 ----------------
@@ -129,16 +114,14 @@ HALF_MODES = {"autocast-float16": "float16", "autocast-bfloat16": "bfloat16",
               "module-policy-float16": "float16"}
 
 
-# The model adds its float32 position table to embeddings that a policy may
-# have cast, relying on standard promotion as user code does.
-STANDARD = "standard"
-
-
 @pytest.fixture(scope="module")
-def wmt_runs():
+def wmt():
+  """The example and its runs of 40 steps. The model adds its float32 position table
+  to embeddings that a policy may have cast, relying on standard promotion as user
+  code does."""
   module = load("wmt_transformer")
-  with jax.numpy_dtype_promotion(STANDARD):
-    return {mode: module.train(mode, steps=40) for mode in module.MODES}
+  with jax.numpy_dtype_promotion("standard"):
+    return module, {mode: module.train(mode, steps=40) for mode in module.MODES}
 
 
 def losses_by_update(history):
@@ -154,24 +137,19 @@ def losses_by_update(history):
 
 
 @pytest.mark.parametrize("mode", sorted(HALF_MODES))
-def test_the_wmt_transformer_trains_like_float32(wmt_runs, mode):
-  history = wmt_runs[mode]
+def test_the_wmt_transformer_trains_like_float32_with_its_matmuls_in_half_precision(wmt, mode):
+  module, runs = wmt
+  history = runs[mode]
   settle = 5  # float16's scale may back off in the first steps, not later
   assert sum(history["skipped"][settle:]) == 0
   assert np.isfinite(history["loss"]).all()
   ours = losses_by_update(history)
-  reference = losses_by_update(wmt_runs["float32"])[: len(ours)]
+  reference = losses_by_update(runs["float32"])[: len(ours)]
   assert len(ours) >= 40 - settle
   np.testing.assert_allclose(ours, reference, rtol=0.01)  # measured: 0.2%
   assert ours[-1] < 0.85 * ours[0]  # it learns
-
-
-@pytest.mark.parametrize("mode", sorted(HALF_MODES))
-def test_every_matmul_of_the_wmt_step_is_in_half_precision(mode):
-  module = load("wmt_transformer")
   state = module.create_state(mode)
   inputs, targets = module.synthetic_batch(np.random.default_rng(0), 4, module.Config())
-  with jax.numpy_dtype_promotion(STANDARD):
-    dtypes = matmul_dtypes(module.step_loss(state), state.params, inputs,
-                           targets, jax.random.key(0))
-  assert dtypes == {HALF_MODES[mode]}
+  with jax.numpy_dtype_promotion("standard"):
+    assert input_dtypes(module.step_loss(state), state.params, inputs, targets,
+                        jax.random.key(0)) == {HALF_MODES[mode]}
