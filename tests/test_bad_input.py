@@ -379,7 +379,7 @@ CASES = [Case(*row) if isinstance(row[0], str) else Case(row[0].label, *row) for
      lambda: jax.jit(lambda ls: ls == ls.adjust(jnp.array(True)))(jaxmp.DynamicLossScale()), TE,
      r"Loss scales holding traced arrays .* cannot be compared with ==",
      r"jnp\.array_equal\(a\.loss_scale, b\.loss_scale\)"),
-    # Pytree helpers.
+    # select_tree.
     ("select_tree: non-scalar predicate",
      select_tree(jnp.array([True, False]), {"a": jnp.ones(2)}, {"a": jnp.zeros(2)}), TE,
      r"select_tree expects a scalar boolean, got an array of shape \(2,\)", r"reduce an array "
