@@ -1,13 +1,5 @@
-"""Real float16 overflow and underflow, produced by the numbers, not injected.
-
-* Large inputs and no normalisation make float16 activations overflow in the
-  forward pass: the step must be skipped (parameters and optimizer state
-  bit-identical) and reported (metrics, and ``nonfinite_paths`` from a
-  callback that runs only on the non-finite step).
-* A loss of small magnitude makes float16 gradients underflow to zero without
-  scaling: the fraction of zero gradients is measured with and without a loss
-  scale, and scaling rescues them.
-"""
+"""Real float16 overflow (large inputs, no normalisation: skipped and reported)
+and underflow (a small loss: rescued by the scale), produced by the numbers."""
 
 import chex
 import jax
@@ -28,52 +20,43 @@ def mlp(params, x, policy):
   return policy.cast_to_output(h @ p["out"]["w"] + p["out"]["b"])
 
 
-def init_params(seed, n_in, n_hidden, n_out, gain=1.0):
+def setup(seed, n_in, n_hidden, n_out, n, gain=1.0, x_gain=1.0):
   rng = np.random.default_rng(seed)
-  def dense(a, b):
-    return {"w": jnp.asarray(gain * rng.normal(size=(a, b)) / np.sqrt(a), jnp.float32),
-            "b": jnp.zeros(b, jnp.float32)}
-  return {"hidden": dense(n_in, n_hidden), "out": dense(n_hidden, n_out)}
+  dense = lambda a, b: {"w": jnp.asarray(gain * rng.normal(size=(a, b)) / np.sqrt(a),
+                                         jnp.float32), "b": jnp.zeros(b)}
+  params = {"hidden": dense(n_in, n_hidden), "out": dense(n_hidden, n_out)}
+  return (params, jnp.asarray(x_gain * rng.normal(size=(n, n_in)), jnp.float32),
+          jnp.asarray(rng.normal(size=(n, n_out)), jnp.float32))
 
 
 def mse(params, x, y, policy):
   return jnp.mean((mlp(params, x, policy) - y) ** 2)
 
 
-def assert_bit_identical(a, b):
-  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
-    np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+def small_loss(params, x, y, policy):  # one small term of a weighted sum of losses
+  return 3e-7 * mse(params, x, y, policy)
 
 
-# ---------------------------------------------------------------------------
-# Overflow in the forward pass.
-
-
-def overflow_setup():
-  rng = np.random.default_rng(0)
-  params = init_params(0, 16, 64, 4, gain=8.0)
-  # Large raw inputs, as from unnormalised features (still finite in float16).
-  x = jnp.asarray(3000 * rng.normal(size=(32, 16)), jnp.float32)
-  y = jnp.asarray(rng.normal(size=(32, 4)), jnp.float32)
-  return params, x, y
+bits = lambda tree: [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
+flat = lambda tree: np.concatenate([np.ravel(a) for a in jax.tree_util.tree_leaves(tree)])
 
 
 def test_forward_overflow_is_skipped_and_reported():
-  params, x, y = overflow_setup()
-  # The overflow is real: the inputs fit in float16, the activations do not.
-  assert float(jnp.max(jnp.abs(x))) < 65504
+  # Large raw inputs, as from unnormalised features (still finite in float16).
+  params, x, y = setup(0, 16, 64, 4, 32, gain=8.0, x_gain=3000.0)
+  assert float(jnp.max(jnp.abs(x))) < 65504  # the activations overflow, not x
   forward = jax.jit(mlp, static_argnums=2)
-  assert not bool(jnp.all(jnp.isfinite(forward(params, x, MIXED))))
-  assert bool(jnp.all(jnp.isfinite(forward(params, x, FLOAT32))))
-  assert float(jnp.max(jnp.abs(forward(params, x, FLOAT32)))) > 65504
+  assert not bool(jaxmp.all_finite(forward(params, x, MIXED)))
+  out32 = forward(params, x, FLOAT32)
+  assert bool(jaxmp.all_finite(out32)) and float(jnp.max(jnp.abs(out32))) > 65504
   tx = jaxmp.loss_scaling(optax.adam(1e-3), jaxmp.DynamicLossScale(2.0**15))
   opt_state = tx.init(params)
   reports = []
 
   @jax.jit
   def train_step(params, opt_state, step):
-    loss_scale = jaxmp.get_loss_scale(opt_state)
-    loss, grads = jaxmp.scaled_value_and_grad(mse, loss_scale)(params, x, y, MIXED)
+    loss, grads = jaxmp.scaled_value_and_grad(mse, jaxmp.get_loss_scale(opt_state))(
+        params, x, y, MIXED)
     report = lambda g, s: reports.append((int(s), jaxmp.nonfinite_paths(g)))
     jax.lax.cond(jaxmp.all_finite(grads), lambda g, s: None,
                  lambda g, s: jax.debug.callback(report, g, s), grads, step)
@@ -83,55 +66,28 @@ def test_forward_overflow_is_skipped_and_reported():
 
   new_params, new_state, loss, grads, metrics = train_step(params, opt_state, 1)
   jax.effects_barrier()
-  # Skipped: parameters and the inner optimizer state are bit-identical.
-  assert_bit_identical(new_params, params)
-  chex.assert_trees_all_equal(new_state.inner_state, opt_state.inner_state)
-  # Reported: in the loss, the metrics, and the paths of the bad gradients.
+  assert bits(new_params) == bits(params)
+  assert bits(new_state.inner_state) == bits(opt_state.inner_state)
   assert not np.isfinite(float(loss))
-  assert int(metrics["skipped_steps"]) == 1 and not bool(metrics["last_finite"])
-  assert float(metrics["loss_scale"]) == 2.0**14
+  assert (int(metrics["skipped_steps"]), bool(metrics["last_finite"]),
+          float(metrics["loss_scale"])) == (1, False, 2.0**14)
   bad = jaxmp.nonfinite_paths(grads)
   assert "['out']['w']" in bad and "['hidden']['w']" in bad
   assert reports == [(1, bad)]
-
-  # However many times it is tried, the scale cannot rescue a forward
-  # overflow: every step is skipped and the model never changes.
+  # No scale rescues a forward overflow: every step is skipped.
   params_now, state_now = new_params, new_state
   for step in range(2, 12):
     params_now, state_now, *_, metrics = train_step(params_now, state_now, step)
-  assert int(metrics["skipped_steps"]) == 11
-  assert float(metrics["loss_scale"]) == 2.0**4
-  assert_bit_identical(params_now, params)
-  assert jaxmp.all_finite((params_now, state_now))
-
+  assert (int(metrics["skipped_steps"]), float(metrics["loss_scale"])) == (11, 2.0**4)
+  assert bits(params_now) == bits(params) and jaxmp.all_finite((params_now, state_now))
   # The same model and data in float32 train normally.
   tx32 = jaxmp.loss_scaling(optax.adam(1e-3), jaxmp.NoOpLossScale())
-
-  @jax.jit
-  def float32_step(params, state):
-    _, grads = jaxmp.scaled_value_and_grad(mse, jaxmp.NoOpLossScale())(
-        params, x, y, FLOAT32)
-    return tx32.update(grads, state, params)[1]
-
-  assert int(float32_step(params, tx32.init(params)).skipped_steps) == 0
+  _, grads32 = jax.jit(jaxmp.scaled_value_and_grad(mse, jaxmp.NoOpLossScale()),
+                       static_argnums=3)(params, x, y, FLOAT32)
+  assert int(tx32.update(grads32, tx32.init(params), params)[1].skipped_steps) == 0
 
 
-# ---------------------------------------------------------------------------
-# Underflow in the backward pass.
-
-LOSS_WEIGHT = 3e-7  # e.g. one small term of a weighted sum of losses
-
-
-def underflow_setup():
-  rng = np.random.default_rng(1)
-  params = init_params(1, 8, 32, 4)
-  x = jnp.asarray(rng.normal(size=(64, 8)), jnp.float32)
-  y = jnp.asarray(rng.normal(size=(64, 4)), jnp.float32)
-  return params, x, y
-
-
-def small_loss(params, x, y, policy):
-  return LOSS_WEIGHT * mse(params, x, y, policy)
+UNDERFLOW = setup(1, 8, 32, 4, 64)
 
 
 @jax.jit
@@ -142,47 +98,35 @@ def float16_grads(params, x, y, loss_scale):
 
 
 def zero_fraction(grads):
-  stats = jax.jit(jaxmp.grad_stats)(grads)
-  leaves = np.concatenate([np.ravel(g) for g in jax.tree_util.tree_leaves(grads)])
-  assert np.isclose(float(stats["zero_fraction"]), np.mean(leaves == 0))
-  return float(stats["zero_fraction"])
-
-
-def relative_error(grads, reference):
-  g = np.concatenate([np.ravel(a) for a in jax.tree_util.tree_leaves(grads)])
-  r = np.concatenate([np.ravel(a) for a in jax.tree_util.tree_leaves(reference)])
-  return np.linalg.norm(g - r) / np.linalg.norm(r)
+  fraction = float(jax.jit(jaxmp.grad_stats)(grads)["zero_fraction"])
+  assert np.isclose(fraction, np.mean(flat(grads) == 0))
+  return fraction
 
 
 def test_scaling_rescues_gradients_that_underflow_in_float16():
-  params, x, y = underflow_setup()
-  reference = jax.jit(jax.grad(small_loss), static_argnums=3)(params, x, y, FLOAT32)
+  reference = jax.jit(jax.grad(small_loss), static_argnums=3)(*UNDERFLOW, FLOAT32)
   assert zero_fraction(reference) < 0.2  # only the dead ReLUs' exact zeros
-
-  unscaled = float16_grads(params, x, y, jaxmp.NoOpLossScale())
-  scaled = float16_grads(params, x, y, jaxmp.StaticLossScale(2.0**15))
-  without, with_scaling = zero_fraction(unscaled), zero_fraction(scaled)
-  # Without a loss scale every gradient is flushed to zero in float16.
-  assert without > 0.99, without
-  # With one, the zeros are only those of the float32 reference.
-  assert with_scaling <= zero_fraction(reference) + 0.01, with_scaling
-  assert relative_error(scaled, reference) < 1e-2
-  assert relative_error(unscaled, reference) > 0.9
+  unscaled = float16_grads(*UNDERFLOW, jaxmp.NoOpLossScale())
+  scaled = float16_grads(*UNDERFLOW, jaxmp.StaticLossScale(2.0**15))
+  # Without a loss scale every gradient is flushed to zero in float16; with
+  # one, the zeros are only those of the float32 reference.
+  assert zero_fraction(unscaled) > 0.99
+  assert zero_fraction(scaled) <= zero_fraction(reference) + 0.01
+  error = lambda g: np.linalg.norm(flat(g) - flat(reference)) / np.linalg.norm(flat(reference))
+  assert error(scaled) < 1e-2 and error(unscaled) > 0.9
   # Nothing overflowed either way, so neither step would have been skipped.
   assert bool(jaxmp.all_finite(unscaled)) and bool(jaxmp.all_finite(scaled))
-
   # The headroom diagnostics see the problem before training starts.
   headroom = jax.jit(jaxmp.dtype_headroom, static_argnums=1)(reference, jnp.float16)
   assert float(headroom["underflow"]) + float(headroom["subnormal"]) > 0.5
 
 
 def test_dynamic_scaling_trains_like_float32_where_unscaled_float16_stalls():
-  params0, x, y = underflow_setup()
-  # Plain SGD on a small loss: the update is as small as the gradient.
-  inner = optax.sgd(3e3)
+  params0, x, y = UNDERFLOW
 
-  def train(policy, loss_scale, steps=30):
-    tx = jaxmp.loss_scaling(inner, loss_scale)
+  def moved(policy, loss_scale):
+    """How far 30 steps of plain SGD (updates as small as the gradients) move."""
+    tx = jaxmp.loss_scaling(optax.sgd(3e3), loss_scale)
 
     @jax.jit
     def step(params, state):
@@ -192,22 +136,13 @@ def test_dynamic_scaling_trains_like_float32_where_unscaled_float16_stalls():
       return optax.apply_updates(params, updates), state
 
     params, state = params0, tx.init(params0)
-    for _ in range(steps):
+    for _ in range(30):
       params, state = step(params, state)
-    return params, state
+    assert int(jaxmp.loss_scaling_metrics(state)["skipped_steps"]) == 0
+    return flat(params) - flat(params0)
 
-  params32, _ = train(FLOAT32, jaxmp.NoOpLossScale())
-  params_unscaled, _ = train(MIXED, jaxmp.NoOpLossScale())
-  params_scaled, state = train(MIXED, jaxmp.DynamicLossScale(2.0**15, period=10))
-
-  def moved(params):
-    return np.concatenate([
-        np.ravel(a - b) for a, b in zip(jax.tree_util.tree_leaves(params),
-                                        jax.tree_util.tree_leaves(params0))])
-
-  moved32 = moved(params32)
+  moved32 = moved(FLOAT32, jaxmp.NoOpLossScale())
   assert np.linalg.norm(moved32) > 1e-3  # float32 learns something
-  assert not np.any(moved(params_unscaled))  # every gradient was zero: stalled
-  np.testing.assert_allclose(moved(params_scaled), moved32, rtol=0,
-                             atol=1e-2 * np.abs(moved32).max())
-  assert int(jaxmp.loss_scaling_metrics(state)["skipped_steps"]) == 0
+  assert not np.any(moved(MIXED, jaxmp.NoOpLossScale()))  # all zero: stalled
+  np.testing.assert_allclose(moved(MIXED, jaxmp.DynamicLossScale(2.0**15, period=10)),
+                             moved32, rtol=0, atol=1e-2 * np.abs(moved32).max())
