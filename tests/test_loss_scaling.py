@@ -366,12 +366,13 @@ def _forms_of_the_check():
           for (k, clip), tx in txs.items() for jit in (False, True)}
 
 
-@pytest.mark.parametrize("name,grads,expected", DECISIONS, ids=[c[0] for c in DECISIONS])
-def test_every_form_of_the_check_decides_alike(name, grads, expected):
-  del name
+@pytest.mark.parametrize("case,grads,expected", DECISIONS, ids=[c[0] for c in DECISIONS])
+def test_every_form_of_the_check_decides_alike(case, grads, expected):
   flags = {"all_finite": jaxmp.all_finite(grads), "all_finite jitted": ALL_FINITE_JITTED(grads)}
   zeros = jax.tree_util.tree_map(jnp.zeros_like, grads)
   for name, (tx, k, update) in _forms_of_the_check().items():
+    if "jit=False" in name and not case.startswith("float16-"):
+      continue  # op by op on one dtype's rows: the same code as jitted, 4x the time
     state = tx.init(zeros)
     for micro_batch in [grads] + [zeros] * (k - 1):
       _, state = update(micro_batch, state, zeros)
