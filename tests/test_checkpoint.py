@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 
 import chex
 import jax
@@ -323,8 +324,12 @@ def test_a_forced_overwrite_killed_at_any_moment_leaves_a_restorable_checkpoint(
 
 def test_a_failed_forced_overwrite_keeps_the_old_checkpoint(tmp_path):
   jaxmp.flax.save_checkpoint(tmp_path / "ckpt", filled(1.0))
+  running = set(threading.enumerate())
   with pytest.raises(ValueError, match="Unsupported type"):
     jaxmp.flax.save_checkpoint(tmp_path / "ckpt", {"a": "not an array"}, force=True)
+  # Nothing of the failed save still runs (it would write beside the next
+  # save, and a thread that is not a daemon keeps the process from exiting).
+  assert [t for t in threading.enumerate() if t not in running and not t.daemon] == []
   assert restored_value(tmp_path / "ckpt") == 1.0
   jaxmp.flax.save_checkpoint(tmp_path / "ckpt", filled(2.0), force=True)
   assert restored_value(tmp_path / "ckpt") == 2.0

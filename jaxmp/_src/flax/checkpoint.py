@@ -162,7 +162,12 @@ def save_checkpoint(directory: str | os.PathLike[str], target: Any, *,
   config = _config(target, fallback)
 
   def write(path: pathlib.Path) -> None:
-    ocp.Checkpointer(ocp.CompositeCheckpointHandler()).save(path, args=ocp.args.Composite(
+    # Directories made before the writes start: orbax's default makes them
+    # in threads that a failed save leaves waiting, and the process with them.
+    sync = ocp.CompositeOptions(async_options=ocp.options.AsyncOptions(
+        create_directories_asynchronously=False))
+    handler = ocp.CompositeCheckpointHandler(composite_options=sync)
+    ocp.Checkpointer(handler).save(path, args=ocp.args.Composite(
         state=ocp.args.StandardSave(items), jaxmp_config=ocp.args.JsonSave(config)))
 
   directory = pathlib.Path(os.path.abspath(os.fspath(directory)))
