@@ -327,9 +327,11 @@ def test_a_failed_forced_overwrite_keeps_the_old_checkpoint(tmp_path):
   running = set(threading.enumerate())
   with pytest.raises(ValueError, match="Unsupported type"):
     jaxmp.flax.save_checkpoint(tmp_path / "ckpt", {"a": "not an array"}, force=True)
-  # Nothing of the failed save still runs (it would write beside the next
-  # save, and a thread that is not a daemon keeps the process from exiting).
-  assert [t for t in threading.enumerate() if t not in running and not t.daemon] == []
+  # What the failed save started in threads ends (one left waiting would keep
+  # the process from exiting).
+  for thread in set(threading.enumerate()) - running:
+    thread.join(timeout=60)
+    assert thread.daemon or not thread.is_alive()
   assert restored_value(tmp_path / "ckpt") == 1.0
   jaxmp.flax.save_checkpoint(tmp_path / "ckpt", filled(2.0), force=True)
   assert restored_value(tmp_path / "ckpt") == 2.0

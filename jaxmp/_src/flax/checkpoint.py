@@ -186,8 +186,10 @@ def save_checkpoint(directory: str | os.PathLike[str], target: Any, *,
   # write the new one beside it instead, and swap them once it is complete.
   work, primary = _sibling(directory, "writing"), jax.process_index() == 0
   if primary:
-    shutil.rmtree(work, ignore_errors=True)  # what a killed save left
-    work.mkdir()
+    # What a killed save left, or a failed one (whose threads may still add
+    # to it: they write beside the new checkpoint, and it all goes below).
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(exist_ok=True)
   try:
     write(work / "checkpoint")
   except BaseException:
