@@ -2,6 +2,7 @@
 skipped batch retried (retry_skipped), each over plain optax, a Linen TrainState,
 NNX and Equinox (a real BatchNorm's statistics over Linen and NNX)."""
 
+import functools
 import re
 from typing import Any
 
@@ -140,9 +141,12 @@ STATS_PATHS = {"optax": "[0][1]", "linen": "['stats']", "nnx": "[0]['stats'].val
                "equinox": "[0][1]"}
 
 
-def plain_step(name, loss_scale, x, loss_fn=float16_loss):
-  fw = FRAMEWORKS[name]
-  return fw.jit(fw.step(loss_fn))(fw.init(loss_scale), x)
+@functools.cache  # the cases share one jitted step per framework, loss and retry options
+def jitted_step(name, loss_fn, retry=None):  # retry: retry_skipped's options, as items
+  fw, options = FRAMEWORKS[name], dict(retry or ())
+  options["fallback"] = options.get("fallback") and fw.step(options["fallback"])
+  return fw.jit(fw.step(loss_fn) if retry is None else chex.assert_max_traces(
+      jaxmp.retry_skipped(fw.step(loss_fn), **options), n=1))
 
 
 def snapshot(name, state):
@@ -172,8 +176,7 @@ RETRIES = {  # case: the loss scale, x, options; (retries, fell back, finite, th
                (0, True, True, 2.0**15), (jaxmp.StaticLossScale(2.0**15), float32_loss),
                {"recovered_steps": 1, "fallback_steps": 1}),
     # A lost batch: the retries' backoffs undone; at the floor the overflows count once.
-    **{f"lost at {scale}": (dyn(scale), NAN, three,
-                            (3, True, False, max(scale / 2**4, 1.0)),
+    **{f"lost at {scale}": (dyn(scale), NAN, three, (3, True, False, max(scale / 2**4, 1.0)),
                             (dyn(scale), float16_loss), {}) for scale in (2.0**15, 1.0)},
 }
 
@@ -181,18 +184,16 @@ RETRIES = {  # case: the loss scale, x, options; (retries, fell back, finite, th
 @parametrize
 @pytest.mark.parametrize("case", list(RETRIES))
 def test_a_retried_step_leaves_the_state_of_the_plain_step_that_worked_or_was_skipped(name, case):
-  """Traced once, with no host transfer. Every counter (the TrainState's step,
-  which the dropout mask folds in, the schedule's count, the NNX optimizer's
-  step) advances once."""
+  """Traced once (by the first case that shares it), with no host transfer. Every
+  counter (the TrainState's step, which the dropout mask folds in, the schedule's
+  count, the NNX optimizer's step) advances once."""
   fw, (loss_scale, x, options, outcome, (plain_scale, plain_loss), counters) = (
       FRAMEWORKS[name], RETRIES[case])
-  fallback = options.get("fallback")
-  step = fw.jit(chex.assert_max_traces(jaxmp.retry_skipped(fw.step(float16_loss), **{
-      **options, "fallback": fallback and fw.step(fallback)}), n=1))
+  step = jitted_step(name, float16_loss, tuple(options.items()))
   state, loss, info = step(fw.init(loss_scale), x)
   assert (int(info.retries), bool(info.fell_back), bool(info.finite),
           float(info.loss_scale.loss_scale)) == outcome
-  plain, plain_loss = plain_step(name, plain_scale, x, plain_loss)
+  plain, plain_loss = jitted_step(name, plain_loss)(fw.init(plain_scale), x)
   chex.assert_trees_all_equal(snapshot(name, state), snapshot(name, plain))
   assert metrics(state) == {**metrics(plain), **counters}
   assert (float(loss) == float(plain_loss)) if info.finite else not np.isfinite(loss)
