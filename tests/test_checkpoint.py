@@ -26,16 +26,15 @@ from models import LinenMLP, NnxMLP, make_batch
 BURST_SCALE = jaxmp.DynamicLossScale(2.0**10, period=4, min_loss_scale=2.0**6, hysteresis=3)
 # 24 steps, eight overflows in a row, a checkpoint after the 12th: inside the burst.
 N_STEPS, BURST, SAVE_AT = 24, range(8, 16), 12
+init_params = jax.jit(lambda key, x: LinenMLP().init(key, x)["params"])  # not op by op
+all_finite, batch = jax.jit(jaxmp.all_finite), lambda i: (make_batch(i)["x"], make_batch(i)["y"])
+# States committed to a device (as restored ones are), one adamw: a step compiles once.
+commit, ADAMW = lambda tree: jax.device_put(tree, jax.devices()[0]), optax.adamw(1e-2)
 
 
-def make_state(policy="mixed_float16", loss_scale=BURST_SCALE, tx=None, features=4):
-  params = LinenMLP().init(jax.random.key(0), jnp.ones((1, features)))["params"]
-  return jaxmp.flax.TrainState.create(apply_fn=LinenMLP().apply, params=params, policy=policy,
-                                      tx=tx or optax.adamw(1e-2), loss_scale=loss_scale)
-
-
-def batch(i):
-  return make_batch(i)["x"], make_batch(i)["y"]
+def make_state(policy="mixed_float16", loss_scale=BURST_SCALE, tx=ADAMW, features=4):
+  return commit(jaxmp.flax.TrainState.create(apply_fn=LinenMLP().apply, policy=policy, tx=tx,
+      params=init_params(jax.random.key(0), jnp.ones((1, features))), loss_scale=loss_scale))
 
 
 @jax.jit
@@ -45,10 +44,11 @@ def train_step(state, x, y):
 
 
 def make_nnx():
-  model = NnxMLP(nnx.Rngs(0))
+  model = nnx.jit(lambda: NnxMLP(nnx.Rngs(0)))()
   jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
-  return model, nnx.Optimizer(
-      model, jaxmp.loss_scaling(optax.adamw(1e-2), BURST_SCALE), wrt=nnx.Param)
+  opt = nnx.Optimizer(model, jaxmp.loss_scaling(ADAMW, BURST_SCALE), wrt=nnx.Param)
+  nnx.update((model, opt), commit(nnx.state((model, opt))))
+  return model, opt
 
 
 @nnx.jit
@@ -120,7 +120,7 @@ def test_resume_in_the_middle_of_a_fault_burst_is_bit_identical(tmp_path, framew
 
 def test_resume_with_a_nan_in_the_gradient_accumulator(tmp_path):
   """Saved between a poisoned micro-batch and the end of its accumulation."""
-  params0 = LinenMLP().init(jax.random.key(1), jnp.ones((1, 4)))["params"]
+  params0 = init_params(jax.random.key(1), jnp.ones((1, 4)))
   tx = jaxmp.multi_steps(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**10, period=2), 4)
 
   @jax.jit
@@ -136,8 +136,8 @@ def test_resume_with_a_nan_in_the_gradient_accumulator(tmp_path):
       params, opt_state = micro_step(params, opt_state, *batch(i), jnp.asarray(i == 5))
     return params, opt_state
 
-  params, opt_state = run_micro(params0, tx.init(params0), range(6))
-  assert not bool(jaxmp.all_finite(opt_state.acc_grads))  # the nan is saved
+  params, opt_state = run_micro(*commit((params0, tx.init(params0))), range(6))
+  assert not bool(all_finite(opt_state.acc_grads))  # the nan is saved
   jaxmp.flax.save_checkpoint(tmp_path / "accumulating", (params, opt_state))
   reference = run_micro(params, opt_state, range(6, 16))
   restored = jaxmp.flax.restore_checkpoint(
@@ -147,7 +147,7 @@ def test_resume_with_a_nan_in_the_gradient_accumulator(tmp_path):
   chex.assert_trees_all_equal(resumed, reference)
   # The poisoned accumulation was skipped once; the next ones were applied.
   assert int(jaxmp.loss_scaling_metrics(resumed[1])["skipped_steps"]) == 1
-  assert jaxmp.all_finite(resumed)
+  assert all_finite(resumed)
 
 
 @pytest.mark.parametrize("saved_policy, target_policy", [
@@ -175,7 +175,7 @@ def test_switching_between_float32_and_float16_fails_clearly_and_the_advice_work
   chex.assert_trees_all_equal((switched.params, switched.opt_state.inner_state),
                               (saved.params, saved.opt_state.inner_state))
   switched = train_step(switched, *batch(3))
-  assert int(switched.metrics["skipped_steps"]) == 0 and jaxmp.all_finite(switched.params)
+  assert int(switched.metrics["skipped_steps"]) == 0 and all_finite(switched.params)
   assert switched.policy == jaxmp.get_policy(target_policy)
 
 

@@ -2,6 +2,7 @@
 skipped batch retried (retry_skipped), each over plain optax, a Linen TrainState,
 NNX and Equinox (a real BatchNorm's statistics over Linen and NNX)."""
 
+import functools
 import re
 from typing import Any
 
@@ -140,9 +141,12 @@ STATS_PATHS = {"optax": "[0][1]", "linen": "['stats']", "nnx": "[0]['stats'].val
                "equinox": "[0][1]"}
 
 
-def plain_step(name, loss_scale, x, loss_fn=float16_loss):
-  fw = FRAMEWORKS[name]
-  return fw.jit(fw.step(loss_fn))(fw.init(loss_scale), x)
+@functools.cache  # the cases share one jitted step per framework, loss and retry options
+def jitted_step(name, loss_fn, retry=None):  # retry: retry_skipped's options, as items
+  fw, options = FRAMEWORKS[name], dict(retry or ())
+  options["fallback"] = options.get("fallback") and fw.step(options["fallback"])
+  return fw.jit(fw.step(loss_fn) if retry is None else chex.assert_max_traces(
+      jaxmp.retry_skipped(fw.step(loss_fn), **options), n=1))
 
 
 def snapshot(name, state):
@@ -156,25 +160,23 @@ def metrics(state):
   return {k: v.item() for k, v in jax.device_get(jaxmp.loss_scaling_metrics(state)).items()}
 
 
-dyn = jaxmp.DynamicLossScale
+dyn, three = jaxmp.DynamicLossScale, dict(max_retries=3, fallback=float32_loss)
 RETRIES = {  # case: the loss scale, x, options; (retries, fell back, finite, the last
     # attempt's scale); the plain step that leaves the same state (its scale and
-    # loss); the recovery counters.
-    "finite": (dyn(2.0**10), FINITE, dict(fallback=float32_loss), (0, False, True, 2.0**10),
+    # loss); the recovery counters. The cases with a fallback share one step (`three`).
+    "finite": (dyn(2.0**10), FINITE, three, (0, False, True, 2.0**10),
                (dyn(2.0**10), float16_loss), {}),
     "recovered": (dyn(2.0**15), OVERFLOWS, {}, (2, False, True, 2.0**13),
                   (dyn(2.0**13), float16_loss), {"recovered_steps": 1}),
-    # The fallback runs once, after the retries: a loss scale one back-off lower.
-    "fallback": (dyn(2.0**15), OVERFLOWS, dict(max_retries=1, fallback=float32_loss),
-                 (1, True, True, 2.0**13), (dyn(2.0**13), float32_loss),
-                 {"recovered_steps": 1, "fallback_steps": 1}),
+    # The fallback runs once, after the retries (all three overflow): one back-off lower.
+    "fallback": (dyn(2.0**17), OVERFLOWS, three, (3, True, True, 2.0**13),
+                 (dyn(2.0**13), float32_loss), {"recovered_steps": 1, "fallback_steps": 1}),
     # A static scale does not change on a skip: no retry, straight to the fallback.
     "static": (jaxmp.StaticLossScale(2.0**15), OVERFLOWS, dict(fallback=float32_loss),
                (0, True, True, 2.0**15), (jaxmp.StaticLossScale(2.0**15), float32_loss),
                {"recovered_steps": 1, "fallback_steps": 1}),
     # A lost batch: the retries' backoffs undone; at the floor the overflows count once.
-    **{f"lost at {scale}": (dyn(scale), NAN, dict(max_retries=3, fallback=float32_loss),
-                            (3, True, False, max(scale / 2**4, 1.0)),
+    **{f"lost at {scale}": (dyn(scale), NAN, three, (3, True, False, max(scale / 2**4, 1.0)),
                             (dyn(scale), float16_loss), {}) for scale in (2.0**15, 1.0)},
 }
 
@@ -182,18 +184,16 @@ RETRIES = {  # case: the loss scale, x, options; (retries, fell back, finite, th
 @parametrize
 @pytest.mark.parametrize("case", list(RETRIES))
 def test_a_retried_step_leaves_the_state_of_the_plain_step_that_worked_or_was_skipped(name, case):
-  """Traced once, with no host transfer. Every counter (the TrainState's step,
-  which the dropout mask folds in, the schedule's count, the NNX optimizer's
-  step) advances once."""
+  """Traced once (by the first case that shares it), with no host transfer. Every
+  counter (the TrainState's step, which the dropout mask folds in, the schedule's
+  count, the NNX optimizer's step) advances once."""
   fw, (loss_scale, x, options, outcome, (plain_scale, plain_loss), counters) = (
       FRAMEWORKS[name], RETRIES[case])
-  fallback = options.get("fallback")
-  step = fw.jit(chex.assert_max_traces(jaxmp.retry_skipped(fw.step(float16_loss), **{
-      **options, "fallback": fallback and fw.step(fallback)}), n=1))
+  step = jitted_step(name, float16_loss, tuple(options.items()))
   state, loss, info = step(fw.init(loss_scale), x)
   assert (int(info.retries), bool(info.fell_back), bool(info.finite),
           float(info.loss_scale.loss_scale)) == outcome
-  plain, plain_loss = plain_step(name, plain_scale, x, plain_loss)
+  plain, plain_loss = jitted_step(name, plain_loss)(fw.init(plain_scale), x)
   chex.assert_trees_all_equal(snapshot(name, state), snapshot(name, plain))
   assert metrics(state) == {**metrics(plain), **counters}
   assert (float(loss) == float(plain_loss)) if info.finite else not np.isfinite(loss)
@@ -264,7 +264,7 @@ def test_keep_on_skip_under_accumulation_writes_each_finite_micro_batch(name, ac
   fw, tx = FRAMEWORKS[name], ACCUMULATORS[accumulator]
   state, step = fw.init(jaxmp.DynamicLossScale(), tx), fw.jit(fw.step(float32_loss, tx))
   written = []
-  for x in (jnp.ones(8), jnp.full(8, jnp.nan), jnp.ones(8)):
+  for x in (jnp.ones(8), jnp.full(8, jnp.nan, jnp.float32), jnp.ones(8)):  # one dtype
     state, _ = step(state, x)
     written.append(snapshot(name, state)[STATS_PATHS[name]])
   np.testing.assert_array_equal(np.stack(written), [[0.5] * 8, [0.5] * 8, [0.75] * 8])
@@ -275,7 +275,7 @@ def test_keep_on_skip_under_accumulation_writes_each_finite_micro_batch(name, ac
 def test_keep_on_skip_keeps_or_writes_a_typed_prng_key(name, applied):
   """Eagerly, as a TrainState's field too."""
   old = {"key": jax.random.key(0), "mean": jnp.zeros(2)}  # new is cast to old's dtypes
-  new = {"key": jax.random.split(old["key"])[0], "mean": jnp.ones(2, jnp.float16)}
+  new = {"key": jax.random.key(1), "mean": jnp.ones(2, jnp.float16)}
   grads = {"w": jnp.array([1.0 if applied else jnp.inf, 0.0])}
   if name == "linen":
     kept = StatsState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=optax.sgd(0.1),
@@ -298,7 +298,7 @@ class LinenBatchNorm:
 
   def init(self):
     model = LinenBatchNormMLP()
-    variables = model.init(KEY, jnp.ones((1, 4)), train=False)
+    variables = jax.jit(model.init, static_argnames="train")(KEY, jnp.ones((1, 4)), train=False)
     return StatsState.create(
         apply_fn=model.apply, params=variables["params"], tx=optax.adam(1e-2),
         policy="mixed_float16", loss_scale=jaxmp.DynamicLossScale(2.0**8),
@@ -318,15 +318,15 @@ class LinenBatchNorm:
 
   params_and_stats = staticmethod(lambda state: (state.params, state.stats))
   steps = staticmethod(lambda state: int(state.step))
-  evaluate = staticmethod(lambda state, x: state.apply_fn(  # on the running averages
-      {"params": state.params, "batch_stats": state.stats}, x, train=False))
+  evaluate = staticmethod(jax.jit(lambda state, x: state.apply_fn(  # on the running averages
+      {"params": state.params, "batch_stats": state.stats}, x, train=False)))
 
 
 class NnxBatchNorm:
   """BatchStat updated in place: keep_on_skip writes back a copy taken before."""
 
   def init(self):
-    model = NnxBatchNormMLP(nnx.Rngs(0))
+    model = nnx.jit(lambda: NnxBatchNormMLP(nnx.Rngs(0)))()  # one compile, not op by op
     jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
     return model, nnx.Optimizer(model, jaxmp.loss_scaling(
         optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**8)), wrt=nnx.Param)
@@ -352,7 +352,7 @@ class NnxBatchNorm:
 
   def evaluate(self, objects, x):
     objects[0].eval()
-    logits = objects[0](x)
+    logits = nnx.jit(lambda model, x: model(x))(objects[0], x)
     objects[0].train()
     return logits
 
@@ -384,7 +384,7 @@ def test_a_skipped_step_keeps_the_batch_statistics_bit_identical_and_a_finite_on
   params, stats = fw.params_and_stats(state)
   assert metrics(state)["last_finite"] and bits(stats) == bits(computed)
   assert all(jax.tree_util.tree_leaves(jax.tree_util.tree_map(
-      lambda a, b: bool(jnp.any(a != b)), (params, stats), (params_before, stats_before))))
+      lambda a, b: not np.array_equal(a, b), (params, stats), (params_before, stats_before))))
 
 
 P = jax.sharding.PartitionSpec
