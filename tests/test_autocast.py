@@ -20,14 +20,10 @@ import pytest
 import jaxmp
 import jaxmp.flax
 import models
+from models import f32, like_flax_init
 from matmul_dtypes import MATMULS, all_eqns
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
-
-
-def f32(a):
-  """``a`` put on the device as float32: nothing compiled (``jnp.asarray`` compiles a copy)."""
-  return jax.device_put(np.asarray(a, np.float32))
 
 
 def in_dtypes(eqn):
@@ -51,9 +47,8 @@ def dtypes_of(jaxpr, primitive, feeding=None):
 
 
 def train(loss_fn, model, batch, steps, learning_rate):
-  """The losses of ``steps`` Adam steps of ``loss_fn(model, *batch(step))`` (on the params
-  flattened into one vector: the same updates, a third less to compile)."""
-  tx = optax.flatten(optax.adam(learning_rate))
+  """The losses of ``steps`` Adam steps of ``loss_fn(model, *batch(step))``."""
+  tx = optax.flatten(optax.adam(learning_rate))  # on one vector: a third less to compile
 
   @eqx.filter_jit
   def step(model, opt_state, *args):
@@ -73,20 +68,6 @@ train_lm = models.benchmark("overhead").train_lm  # examples/train_lm.py
 
 def token_batch(seed=0):
   return jax.device_put(np.random.default_rng(seed).integers(0, 256, (4, 17)).astype(np.int32))
-
-
-def like_flax_init(shapes):
-  """Params of the shapes ``shapes`` drawn in NumPy as Flax's initialisers draw them (lecun
-  normal kernels, unit scales, zero biases): compiling a model's init costs seconds."""
-  rng = np.random.default_rng(0)
-
-  def draw(path, leaf):
-    name, shape = path[-1].key, leaf.shape
-    fan_in = np.prod(shape[:-1]) if "['out']" in jax.tree_util.keystr(path) else shape[
-        name == "embedding"]  # an embedding's fan in is its features
-    return f32(np.full(shape, float(name == "scale")) if name in ("bias", "scale")
-               else rng.normal(size=shape) * (0.02 if name == "position" else fan_in**-0.5))
-  return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
 @functools.cache  # initialised once
@@ -139,8 +120,7 @@ def mlp_loss(model, x, y):
 def test_an_equinox_mlp_multiplies_in_bf16_and_trains_like_float32():
   model = eqx.nn.MLP(8, 2, width_size=32, depth=2, key=jax.random.key(0))
   rng = np.random.default_rng(0)
-  x = rng.normal(size=(64, 8))
-  x, y = f32(x), f32(np.sin(x @ rng.normal(size=(8, 2))))
+  x, y = f32(x := rng.normal(size=(64, 8))), f32(np.sin(x @ rng.normal(size=(8, 2))))
   fast = jaxmp.autocast(mlp_loss, "mixed_bfloat16")
   forward = eqx.filter_make_jaxpr(fast)(model, x, y)[0]
   assert dot_dtypes(forward) == [(BF16, BF16)] * 3
@@ -216,8 +196,7 @@ class GradientsTest(chex.TestCase):
       (value, grads), (second, _) = step(params, x), step(params, f32(np.full((8, 8), 2.0)))
       assert value.dtype == second.dtype == F32 and float(value) != float(second)
       chex.assert_trees_all_equal_dtypes(grads, params)
-      chex.assert_trees_all_close(
-          jax.jit(loss_scale.unscale)(grads), want_grads, rtol=0.05, atol=1e-3)
+      chex.assert_trees_all_close(loss_scale.unscale(grads), want_grads, rtol=0.05, atol=1e-3)
       np.testing.assert_allclose(value, want_loss, rtol=1e-2)
       jax.eval_shape(step, params, f32(np.ones((2, 8))))  # another shape traces again
       assert traces == [(8, 8), (2, 8)]
@@ -389,23 +368,13 @@ ADDITIVE_MASKS = {  # float32 masks from a keep-mask: 0 where kept, a large nega
 }
 
 
-def given(q, k, mask):  # a float32 mask made by the caller
-  return jax.nn.softmax(q @ k.T + mask)
-
-
-def selected(q, k, keep):  # the fill selected, as Flax's attention does
-  return jax.nn.softmax(jnp.where(keep, q @ k.T, FLOAT32_MIN))
-
-
 def masked_rows(policy, q, k, keep):
-  """Each case's softmax, under autocast where ``policy``: the mask given, or built inside
-  with a fill constant."""
+  """Each case's softmax under autocast where ``policy``: the mask given or built inside."""
+  given = lambda q, k, mask: jax.nn.softmax(q @ k.T + mask)  # a float32 mask from the caller
+  selected = lambda q, k, keep: jax.nn.softmax(jnp.where(keep, q @ k.T, FLOAT32_MIN))  # Flax's
   cases = [(selected, keep)] + [case for mask in ADDITIVE_MASKS.values() for case in (
       (given, mask(keep)), (lambda q, k, keep, mask=mask: given(q, k, mask(keep)), keep))]
   return [(jaxmp.autocast(fn, policy) if policy else fn)(q, k, arg) for fn, arg in cases]
-
-
-compiled_masked_rows = jax.jit(masked_rows, static_argnums=0)  # all cases in one program
 
 
 @pytest.mark.parametrize("policy", HALF_POLICIES)
@@ -415,8 +384,9 @@ def test_a_fully_masked_row_stays_uniform_with_the_mask_given_or_built_inside(po
   rng, padding = np.random.default_rng(0), (np.arange(4) == 0)[:, None]
   q, k = f32(rng.normal(size=(4, 8)) * ~padding), f32(rng.normal(size=(5, 8)))
   keep = jax.device_put(np.tril(np.ones((4, 5), bool), 1) & ~padding)
-  expected = compiled_masked_rows(None, q, k, keep)
-  for got in (masked_rows(policy, q, k, keep), compiled_masked_rows(policy, q, k, keep)):
+  compiled = jax.jit(masked_rows, static_argnums=0)  # all cases in one program
+  expected = compiled(None, q, k, keep)
+  for got in (masked_rows(policy, q, k, keep), compiled(policy, q, k, keep)):
     for want, row in zip(expected, got, strict=True):  # op by op, then compiled
       np.testing.assert_array_equal(want[0], np.full(5, 1 / 5, np.float32))
       np.testing.assert_array_equal(row[0], want[0])
@@ -429,8 +399,7 @@ def test_a_padded_multi_head_attention_is_finite(policy):
   x = f32(np.random.default_rng(0).normal(size=(2, 4, 16)))
   attention = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16)
   mask = nn.make_attention_mask(tokens > 0, tokens > 0)
-  params = like_flax_init(jax.eval_shape(
-      functools.partial(attention.init, mask=mask), jax.random.key(1), x, x))
+  params = like_flax_init(jax.eval_shape(attention.init, jax.random.key(1), x, x, mask=mask))
 
   loss = lambda params, x: jnp.sum(attention.apply(params, x, x, mask=mask) ** 2)
   value, grads = jax.jit(jax.value_and_grad(jaxmp.autocast(loss, policy)))(params, x)
@@ -563,8 +532,7 @@ def autocast_state(policy):
   """A TrainState with autocast=True over an MLP declaring float32; a batch; a loss."""
   model, x = models.LinenMLP(dtype=jnp.float32), f32(np.ones((8, 4)))
   state = jaxmp.flax.TrainState.create(
-      apply_fn=model.apply, params=like_flax_init(jax.eval_shape(
-          model.init, jax.random.key(0), x))["params"],
+      apply_fn=model.apply, params=jax.jit(model.init)(jax.random.key(0), x)["params"],
       tx=optax.adam(1e-2), policy=policy, loss_scale=jaxmp.DynamicLossScale(2.0**8),
       autocast=True)
   return state, x, lambda params, x: jnp.mean(state.apply_fn({"params": params}, x) ** 2)
