@@ -9,7 +9,8 @@
   Dense(3), whose batch statistics a skipped step must keep.
 
 Each file's own models stay in that file when only it uses them. ``bits``
-compares trees bit for bit.
+compares trees bit for bit. ``f32`` puts an array on the device and
+``like_flax_init`` draws a Flax model's params, both in NumPy: nothing compiled.
 
 And two helpers for the tests that use the benchmarks: ``benchmark(name)``
 imports ``benchmarks/<name>.py``, and ``DEFAULT_CODEGEN`` is the benchmarks'
@@ -150,6 +151,26 @@ def bits(tree):
   are bit-identical (-0.0 differs from 0.0, a nan equals the same nan)."""
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   return treedef, [(np.asarray(x).dtype, np.shape(x), np.asarray(x).tobytes()) for x in leaves]
+
+
+def f32(a):
+  """``a`` put on the device as float32: nothing compiled (``jnp.asarray`` compiles a copy)."""
+  return jax.device_put(np.asarray(a, np.float32))
+
+
+def like_flax_init(shapes):
+  """Params of the shapes ``shapes`` (``jax.eval_shape`` of a Linen ``init``) drawn in NumPy
+  as Flax's initialisers draw them: lecun normal kernels, unit scales, zero biases, 0.02 for
+  a ``position`` table. Compiling a model's init costs seconds (its random bits)."""
+  rng = np.random.default_rng(0)
+
+  def draw(path, leaf):
+    name, shape = path[-1].key, leaf.shape
+    fan_in = np.prod(shape[:-1]) if "['out']" in jax.tree_util.keystr(path) else shape[
+        name == "embedding"]  # an attention's out kernel: heads x features; an embedding's
+    return f32(np.full(shape, float(name == "scale")) if name in ("bias", "scale")
+               else rng.normal(size=shape) * (0.02 if name == "position" else fan_in**-0.5))
+  return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
 # ---------------------------------------------------------------------------
