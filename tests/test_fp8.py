@@ -29,6 +29,7 @@ POLICY = "p=f32,c=bf16,o=f32,dot=fp8,amax_history=4"
 META = "_overwrite_with_gradient"
 OP = "Fp8DirectDotGeneralOp_0"
 E5M2_MAX = float(jnp.finfo(jnp.float8_e5m2).max)
+DEVICE = jax.devices()[0]
 
 
 def _batch(n=16):
@@ -96,9 +97,9 @@ class Linen:
     self.policy = jaxmp.flax.ModulePolicy({}, default=policy)
     self.variables = jax.jit(self.policy.wrap_apply(self.model.init))(
         jax.random.key(0), _batch()[0] if x is None else x)
-    self.target = jaxmp.flax.TrainState.create(
+    self.target = jax.device_put(jaxmp.flax.TrainState.create(  # as restored: committed
         apply_fn=self.model.apply, params=self.variables, tx=tx or optax.adam(1e-2),
-        policy=self.policy, loss_scale=loss_scale or jaxmp.DynamicLossScale(2.0**12))
+        policy=self.policy, loss_scale=loss_scale or jaxmp.DynamicLossScale(2.0**12)), DEVICE)
 
   def run(self, step, x, y, **kwargs):
     self.target, value, grads = step(self.target, x, y, **kwargs)
@@ -113,13 +114,17 @@ class Linen:
   def flax_meta(self, x, y):
     """Flax's new meta (the variables' gradient at loss scale 1); its Adam step's
     params agree to the last bit or so (XLA fuses Adam differently)."""
-    apply = self.policy.wrap_apply(self.model.apply)
-    grads = jax.jit(jax.grad(lambda v: _mse(apply(v, x), y)))(self.variables)
-    params, tx = self.variables["params"], optax.adam(1e-2)
-    updates, _ = tx.update(grads["params"], tx.init(params), params)
-    chex.assert_trees_all_close(self.target.params["params"], optax.apply_updates(
-        params, updates), rtol=1e-6, atol=1e-8)
-    return {name: m[OP] for name, m in grads[META].items()}
+    apply, tx = self.policy.wrap_apply(self.model.apply), optax.adam(1e-2)
+
+    @jax.jit
+    def flax_step(variables, params):
+      grads = jax.grad(lambda v: _mse(apply(v, x), y))(variables)
+      updates, _ = tx.update(grads["params"], tx.init(params), params)
+      return grads[META], optax.apply_updates(params, updates)
+
+    meta, params = flax_step(self.variables, self.variables["params"])
+    chex.assert_trees_all_close(self.target.params["params"], params, rtol=1e-6, atol=1e-8)
+    return {name: m[OP] for name, m in meta.items()}
 
 
 class Nnx:
@@ -135,6 +140,8 @@ class Nnx:
     self.optimizer = nnx.Optimizer(self.model, jaxmp.loss_scaling(
         tx or optax.adam(1e-2), loss_scale or jaxmp.DynamicLossScale(2.0**12)), wrt=nnx.Param)
     self.target = self.model, self.optimizer
+    for node in self.target:  # committed to one device, as a restored checkpoint is
+      nnx.update(node, jax.device_put(nnx.state(node), DEVICE))
 
   def run(self, step, x, y, **kwargs):
     return step(self.model, self.optimizer, x, y, **kwargs)
@@ -164,10 +171,13 @@ class Nnx:
         return y + bias.astype(jnp.bfloat16)
 
     twin = FlaxTwin()
-    variables = twin.init(jax.random.key(0), x)
-    variables["params"] = {"l1": self.params["l1"], "l2": self.params["l2"],
-                           **self.params["head"]}
-    new = jax.jit(jax.grad(lambda v: _mse(twin.apply(v, x), y)))(variables)[META]
+
+    @jax.jit  # one program: the init's own params are dead code
+    def flax_meta(params):
+      variables = {**twin.init(jax.random.key(0), x), "params": params}
+      return jax.grad(lambda v: _mse(twin.apply(v, x), y))(variables)[META]
+
+    new = flax_meta({"l1": self.params["l1"], "l2": self.params["l2"], **self.params["head"]})
     return {"l1": new["l1"][OP], "l2": new["l2"][OP], "head": new["head"]}
 
 
@@ -362,7 +372,7 @@ def test_sharded_jit_keeps_meta_replicated_and_consistent(framework):
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices; tests/conftest.py sets them up")
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
-  (x, y), single, run = _batch(n=32), framework(), framework()
+  (x, y), single, run = _batch(), framework(), framework()
   replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
   if framework is Linen:
     run.target = jax.device_put(run.target, replicated)
