@@ -29,6 +29,9 @@ POLICY = "p=f32,c=bf16,o=f32,dot=fp8,amax_history=4"
 META = "_overwrite_with_gradient"
 OP = "Fp8DirectDotGeneralOp_0"
 E5M2_MAX = float(jnp.finfo(jnp.float8_e5m2).max)
+STATES = {}  # Linen's first TrainState and (below) NNX's optimizer, one per configuration
+_loss_scaling = functools.cache(lambda tx, scale: jaxmp.loss_scaling(
+    tx or optax.adam(1e-2), scale or jaxmp.DynamicLossScale(2.0**12)))
 
 
 def _batch(n=16):
@@ -90,15 +93,16 @@ class Linen:
   jit = staticmethod(lambda f: jax.jit(f, static_argnames=("loss", "partial")))
   train_step = staticmethod(_linen_step)
 
-  def __init__(self, loss_scale=None, tx=None, use_bias=True, policy=POLICY, model=None,
-               x=None):
-    self.model = model or LinenMlp(use_bias)
-    self.policy = jaxmp.flax.ModulePolicy({}, default=policy)
-    self.variables = jax.jit(self.policy.wrap_apply(self.model.init))(
-        jax.random.key(0), _batch()[0] if x is None else x)
-    self.target = jaxmp.flax.TrainState.create(
-        apply_fn=self.model.apply, params=self.variables, tx=tx or optax.adam(1e-2),
-        policy=self.policy, loss_scale=loss_scale or jaxmp.DynamicLossScale(2.0**12))
+  def __init__(self, loss_scale=None, tx=None, use_bias=True, policy=POLICY, model=None, x=None):
+    # The same statics (a step is traced once); committed to one device, as restored.
+    if (key := (loss_scale, tx, use_bias, policy, model)) not in STATES or x is not None:
+      model, policy = model or LinenMlp(use_bias), jaxmp.flax.ModulePolicy({}, default=policy)
+      variables = jax.jit(policy.wrap_apply(model.init))(
+          jax.random.key(0), _batch()[0] if x is None else x)
+      STATES[key] = model, policy, variables, jax.device_put(jaxmp.flax.TrainState.create(
+          apply_fn=model.apply, params=variables, tx=tx or optax.adam(1e-2), policy=policy,
+          loss_scale=loss_scale or jaxmp.DynamicLossScale(2.0**12)), jax.devices()[0])
+    self.model, self.policy, self.variables, self.target = STATES[key]
 
   def run(self, step, x, y, **kwargs):
     self.target, value, grads = step(self.target, x, y, **kwargs)
@@ -113,12 +117,11 @@ class Linen:
   def flax_meta(self, x, y):
     """Flax's new meta (the variables' gradient at loss scale 1); its Adam step's
     params agree to the last bit or so (XLA fuses Adam differently)."""
-    apply = self.policy.wrap_apply(self.model.apply)
+    apply, tx = self.policy.wrap_apply(self.model.apply), optax.adam(1e-2)
     grads = jax.jit(jax.grad(lambda v: _mse(apply(v, x), y)))(self.variables)
-    params, tx = self.variables["params"], optax.adam(1e-2)
-    updates, _ = tx.update(grads["params"], tx.init(params), params)
-    chex.assert_trees_all_close(self.target.params["params"], optax.apply_updates(
-        params, updates), rtol=1e-6, atol=1e-8)
+    adam = jax.jit(lambda p, g: optax.apply_updates(p, tx.update(g, tx.init(p), p)[0]))
+    chex.assert_trees_all_close(self.target.params["params"], adam(
+        self.variables["params"], grads["params"]), rtol=1e-6, atol=1e-8)
     return {name: m[OP] for name, m in grads[META].items()}
 
 
@@ -127,14 +130,14 @@ class Nnx:
 
   jit = staticmethod(lambda f: nnx.jit(f, static_argnames=("loss", "partial")))
   train_step = staticmethod(_nnx_step)
+  model, optimizer = property(lambda self: self.target[0]), property(lambda self: self.target[1])
 
   def __init__(self, loss_scale=None, tx=None, use_bias=True, policy=POLICY, model=None):
-    self.model = model or NnxMlp(nnx.Rngs(0), use_bias=use_bias)
-    self.params = nnx.to_pure_dict(nnx.state(self.model, nnx.Param))
-    jaxmp.flax.ModulePolicy({}, default=policy).set_nnx_dtypes(self.model)
-    self.optimizer = nnx.Optimizer(self.model, jaxmp.loss_scaling(
-        tx or optax.adam(1e-2), loss_scale or jaxmp.DynamicLossScale(2.0**12)), wrt=nnx.Param)
-    self.target = self.model, self.optimizer
+    model = model or NnxMlp(nnx.Rngs(0), use_bias=use_bias)
+    self.params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    jaxmp.flax.ModulePolicy({}, default=policy).set_nnx_dtypes(model)
+    self.target = jax.device_put((model, nnx.Optimizer(  # committed, as a restored state is
+        model, _loss_scaling(tx, loss_scale), wrt=nnx.Param)), jax.devices()[0])
 
   def run(self, step, x, y, **kwargs):
     return step(self.model, self.optimizer, x, y, **kwargs)
@@ -163,11 +166,10 @@ class Nnx:
             "bi,io->bo", x, kernel.astype(jnp.bfloat16))
         return y + bias.astype(jnp.bfloat16)
 
-    twin = FlaxTwin()
-    variables = twin.init(jax.random.key(0), x)
-    variables["params"] = {"l1": self.params["l1"], "l2": self.params["l2"],
-                           **self.params["head"]}
-    new = jax.jit(jax.grad(lambda v: _mse(twin.apply(v, x), y)))(variables)[META]
+    twin = FlaxTwin()  # its init and gradient in one program (the init's params unused)
+    new = jax.jit(lambda params: jax.grad(lambda v: _mse(twin.apply(v, x), y))(
+        {**twin.init(jax.random.key(0), x), "params": params})[META])(
+            {"l1": self.params["l1"], "l2": self.params["l2"], **self.params["head"]})
     return {"l1": new["l1"][OP], "l2": new["l2"][OP], "head": new["head"]}
 
 
@@ -209,9 +211,9 @@ def test_linen_dense_layers_run_in_fp8_and_a_rule_keeps_others_out():
   model, (x, _) = Model(), _batch()
   policy = jaxmp.flax.ModulePolicy({nn.Einsum: "mixed_bfloat16", "head": "mixed_bfloat16"},
                                    default="mixed_fp8")
-  variables = jax.jit(policy.wrap_apply(model.init))(jax.random.key(0), x)
-  chex.assert_trees_all_equal(variables["params"],
-                              jax.jit(model.init)(jax.random.key(0), x)["params"])
+  variables, plain = jax.jit(lambda key: (policy.wrap_apply(model.init)(key, x), model.init(
+      key, x)["params"]))(jax.random.key(0))  # both inits in one program
+  chex.assert_trees_all_equal(variables["params"], plain)
   assert list(variables[META]) == ["Dense_0"]
   assert set(variables[META]["Dense_0"][OP]) == {
       f"{t}_{k}" for t in ("input", "kernel", "output_grad") for k in ("scale", "amax_history")}
@@ -233,7 +235,7 @@ def test_set_nnx_dtypes_gives_each_matmul_layer_an_fp8_op_with_flax_meta():
       self.attention = nnx.MultiHeadAttention(2, 4, rngs=rngs, decode=False)
       self.logits = nnx.Linear(4, 2, rngs=rngs)
 
-  model = Model(nnx.Rngs(0))
+  model = nnx.jit(Model)(nnx.Rngs(0))
   params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   policy = jaxmp.flax.ModulePolicy({"logits": "mixed_bfloat16"}, default=POLICY)
   policy.set_nnx_dtypes(model)
@@ -242,7 +244,7 @@ def test_set_nnx_dtypes_gives_each_matmul_layer_an_fp8_op_with_flax_meta():
   assert sorted(meta["attention"]) == ["key", "out", "query", "value"]
   chex.assert_trees_all_equal(nnx.to_pure_dict(nnx.state(model, nnx.Param)), params)
   assert not issubclass(jaxmp.flax.Fp8Meta, nnx.Param)  # the optimizer's wrt
-  linen_meta = jaxmp.flax.ModulePolicy({}, default=POLICY).wrap_apply(nn.Dense(2).init)(
+  linen_meta = jax.jit(jaxmp.flax.ModulePolicy({}, default=POLICY).wrap_apply(nn.Dense(2).init))(
       jax.random.key(0), jnp.ones((1, 3)))[META][OP]
   for op in meta["mlp"].values():
     chex.assert_trees_all_equal(next(iter(op.values())), dict(linen_meta))
@@ -362,13 +364,9 @@ def test_sharded_jit_keeps_meta_replicated_and_consistent(framework):
   if jax.device_count() < 8:
     pytest.skip("needs 8 devices; tests/conftest.py sets them up")
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
-  (x, y), single, run = _batch(n=32), framework(), framework()
+  (x, y), single, run = _batch(), framework(), framework()
   replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-  if framework is Linen:
-    run.target = jax.device_put(run.target, replicated)
-  else:
-    for node in run.target:
-      nnx.update(node, jax.device_put(nnx.state(node), replicated))
+  run.target = jax.device_put(run.target, replicated)  # NNX's modules are pytrees too
   for _ in range(2):
     _step(single, x, y)
     _step(run, jax.device_put(x, rows), jax.device_put(y, rows))
