@@ -49,8 +49,9 @@ OPTIMIZERS = {
 # What this file asserts of the in-place select (no copies, the same bits as
 # the plain select's program) is asserted of XLA's default code generator.
 default_jit = functools.partial(jax.jit, compiler_options=DEFAULT_CODEGEN)
-PARAMS = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.array([0.5, -0.0])}
-GRADS = {"w": jnp.full((2, 3), 0.25), "b": jnp.array([-1.0, 2.0])}
+# Leaves of one shape: each eager primitive is compiled once, not once a shape.
+PARAMS = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.array([[0.5, -0.0, 0.0]] * 2)}
+GRADS = {"w": jnp.full((2, 3), 0.25), "b": jnp.array([[-1.0, 2.0, 0.5]] * 2)}
 
 
 def _bits(tree):
