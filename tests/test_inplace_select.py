@@ -136,12 +136,13 @@ def test_the_switch_and_the_backend_choose_the_check(monkeypatch):
   traced = []  # each check traced afresh, its function kept alive
 
   def form():
-    """Which form all_finite takes now, after checking its decisions. On
-    XLA:CPU the grouped reduces read each leaf once; one reduce per leaf also
-    writes each leaf's isfinite mask and reads it back."""
-    for tree, finite in decisions:
-      traced.append(lambda t: jaxmp.all_finite(t))
-      assert bool(jaxmp.all_finite(tree)) is bool(default_jit(traced[-1])(tree)) is finite
+    """Which form all_finite takes now, after checking its decisions (jitted,
+    all in one program). On XLA:CPU the grouped reduces read each leaf once;
+    one reduce per leaf also writes each leaf's isfinite mask and reads it back."""
+    traced.append(lambda trees: [jaxmp.all_finite(t) for t in trees])
+    jitted = default_jit(traced[-1])([tree for tree, _ in decisions])
+    for (tree, finite), flag in zip(decisions, jitted):
+      assert bool(jaxmp.all_finite(tree)) is bool(flag) is finite
     traced.append(lambda t: jaxmp.all_finite(t))
     cost = default_jit(traced[-1]).lower(leaves).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
