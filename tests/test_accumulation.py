@@ -23,7 +23,7 @@ def micro_step_body(tx, params, state, batch, inject):
   return optax.apply_updates(params, updates), state
 
 
-make_micro_step = lambda tx: jax.jit(functools.partial(micro_step_body, tx))
+make_micro_step = lambda tx: jax.jit(lambda *args: micro_step_body(tx, *args))  # as micro_step
 TX = jaxmp.multi_steps(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**10), K)
 INPUTS = [(make_batch(i), jnp.asarray(i == 1)) for i in range(3 * K)]  # the second is nan
 run = lambda step, params, state, inputs: functools.reduce(  # (params, state) after inputs
@@ -83,7 +83,7 @@ class AccumulationTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_finite_micro_batches_step_as_optax_multisteps_does(self):
-    params0 = init_mlp(jax.random.key(3))
+    params0 = init_mlp(jax.random.key(3), sizes=(4, 3))  # two leaves: fewer eager reduces
     for k, mean in ((3, True), (lambda step: 2 + step, False)):  # two steps: 6, 5 batches
       tx = jaxmp.multi_steps(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**10), k,
                              use_grad_mean=mean)
