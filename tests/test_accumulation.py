@@ -37,7 +37,7 @@ def micro_step():  # TX's jitted micro-step, traced once for the whole module
 
 def test_a_non_finite_micro_batch_skips_its_step_once_without_branch_retrace_or_transfer(
     micro_step):
-  params0 = init_mlp(jax.random.key(6))
+  params0 = init_mlp(jax.random.key(6), sizes=(4, 3))  # one layer: few leaves
   jaxpr = jax.make_jaxpr(functools.partial(micro_step_body, TX))(
       params0, TX.init(params0), make_batch(0), jnp.asarray(False)).jaxpr
   names = {e.primitive.name for j in [jaxpr] + [
@@ -83,7 +83,7 @@ class AccumulationTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_finite_micro_batches_step_as_optax_multisteps_does(self):
-    params0 = init_mlp(jax.random.key(3), sizes=(4, 3))  # two leaves: fewer eager reduces
+    params0 = init_mlp(jax.random.key(3), sizes=(4, 3))  # one layer, as above
     for k, mean in ((3, True), (lambda step: 2 + step, False)):  # two steps: 6, 5 batches
       tx = jaxmp.multi_steps(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**10), k,
                              use_grad_mean=mean)
