@@ -66,8 +66,7 @@ def test_finite_and_skipped_steps(name, select, monkeypatch):
   monkeypatch.setenv("JAXMP_INPLACE_SELECT", "0" if select == "plain" else "1")
   tx = OPTIMIZERS[name]()
   run = (lambda f: f) if select == "eager" else default_jit
-  update, fold = run(tx.update), run(lambda finite, grads, state, params: update_or_keep(
-      tx.update, finite, grads, state, params))
+  update, fold = run(tx.update), run(functools.partial(update_or_keep, tx.update))
   _, state = update(GRADS, tx.init(PARAMS), PARAMS)  # non-trivial moments, counters
   assert _bits(fold(jnp.array(True), GRADS, state, PARAMS)) == _bits(update(GRADS, state, PARAMS))
   bad = jax.tree_util.tree_map(lambda g: g.at[0].set(jnp.inf), GRADS)
@@ -139,8 +138,7 @@ def test_the_switch_and_the_backend_choose_the_check(monkeypatch):
     all in one program). On XLA:CPU the grouped reduces read each leaf once;
     one reduce per leaf also writes each leaf's isfinite mask and reads it back."""
     traced.append(lambda trees: [jaxmp.all_finite(t) for t in trees])
-    jitted = default_jit(traced[-1])([tree for tree, _ in decisions])
-    for (tree, finite), flag in zip(decisions, jitted):
+    for (tree, finite), flag in zip(decisions, default_jit(traced[-1])([t for t, _ in decisions])):
       assert bool(jaxmp.all_finite(tree)) is bool(flag) is finite
     traced.append(lambda t: jaxmp.all_finite(t))
     cost = default_jit(traced[-1]).lower(leaves).compile().cost_analysis()
@@ -165,11 +163,10 @@ def _zero_style_step(name, mesh, guarded=True):
   tx = jaxmp.loss_scaling(tx, jaxmp.DynamicLossScale(2.0**4), axis_name="d") if guarded else tx
   params = {"w": jnp.linspace(-1.0, 1.0, 64 * 32).reshape(64, 32),
             "b": jnp.linspace(0.5, -0.5, 64)}
-  spec = lambda x: P("d") if jnp.ndim(x) else P()
-  sharded = lambda tree: jax.tree_util.tree_map(spec, tree)
   # On the mesh already: the calls run the program measured here, not another.
-  params, state = jax.tree_util.tree_map(lambda x: jax.device_put(
-      x, jax.sharding.NamedSharding(mesh, spec(x))), (params, tx.init(params)))
+  params, state = jax.tree_util.tree_map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(
+      mesh, P("d") if jnp.ndim(x) else P())), (params, tx.init(params)))
+  sharded = lambda tree: jax.tree_util.tree_map(lambda x: x.sharding.spec, tree)
 
   def body(params, state, poison):
     # An elementwise loss: each device's shard of the gradients is its own.
@@ -183,9 +180,8 @@ def _zero_style_step(name, mesh, guarded=True):
   step = default_jit(jax.shard_map(
       body, mesh=mesh, in_specs=(sharded(params), sharded(state), P()),
       out_specs=(sharded(params), sharded(state))), donate_argnums=(0, 1))
-  temp_bytes = step.lower(params, state, jnp.float32(0)).compile(
+  return step, params, state, step.lower(params, state, jnp.float32(0)).compile(
       ).memory_analysis().temp_size_in_bytes
-  return step, params, state, temp_bytes
 
 
 @pytest.mark.parametrize("name", sorted(SWITCH_OPTIMIZERS))
