@@ -38,8 +38,8 @@ def micro_step():  # TX's jitted micro-step, traced once for the whole module
 def test_a_non_finite_micro_batch_skips_its_step_once_without_branch_retrace_or_transfer(
     micro_step):
   params0 = init_mlp(jax.random.key(6), sizes=(4, 3))  # one layer: few leaves
-  jaxpr = jax.make_jaxpr(functools.partial(micro_step_body, TX))(
-      params0, TX.init(params0), make_batch(0), jnp.asarray(False)).jaxpr
+  # The jaxpr of the fixture's one trace, which its first call below compiles.
+  jaxpr = micro_step.trace(params0, TX.init(params0), *INPUTS[0]).jaxpr.jaxpr
   names = {e.primitive.name for j in [jaxpr] + [
       sub for eqn in jaxpr.eqns for sub in jax.extend.core.jaxprs_in_params(eqn.params)]
            for e in j.eqns}
