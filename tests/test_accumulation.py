@@ -23,7 +23,7 @@ def micro_step_body(tx, params, state, batch, inject):
   return optax.apply_updates(params, updates), state
 
 
-make_micro_step = lambda tx: jax.jit(functools.partial(micro_step_body, tx))
+make_micro_step = lambda tx: jax.jit(lambda *args: micro_step_body(tx, *args))  # as micro_step
 TX = jaxmp.multi_steps(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**10), K)
 INPUTS = [(make_batch(i), jnp.asarray(i == 1)) for i in range(3 * K)]  # the second is nan
 run = lambda step, params, state, inputs: functools.reduce(  # (params, state) after inputs
@@ -37,9 +37,9 @@ def micro_step():  # TX's jitted micro-step, traced once for the whole module
 
 def test_a_non_finite_micro_batch_skips_its_step_once_without_branch_retrace_or_transfer(
     micro_step):
-  params0 = init_mlp(jax.random.key(6))
-  jaxpr = jax.make_jaxpr(functools.partial(micro_step_body, TX))(
-      params0, TX.init(params0), make_batch(0), jnp.asarray(False)).jaxpr
+  params0 = init_mlp(jax.random.key(6), sizes=(4, 3))  # one layer: few leaves
+  # The jaxpr of the fixture's one trace, which its first call below compiles.
+  jaxpr = micro_step.trace(params0, TX.init(params0), *INPUTS[0]).jaxpr.jaxpr
   names = {e.primitive.name for j in [jaxpr] + [
       sub for eqn in jaxpr.eqns for sub in jax.extend.core.jaxprs_in_params(eqn.params)]
            for e in j.eqns}
@@ -83,7 +83,7 @@ class AccumulationTest(chex.TestCase):
 
   @chex.variants(with_jit=True, without_jit=True)
   def test_finite_micro_batches_step_as_optax_multisteps_does(self):
-    params0 = init_mlp(jax.random.key(3))
+    params0 = init_mlp(jax.random.key(3), sizes=(4, 3))  # one layer, as above
     for k, mean in ((3, True), (lambda step: 2 + step, False)):  # two steps: 6, 5 batches
       tx = jaxmp.multi_steps(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**10), k,
                              use_grad_mean=mean)
