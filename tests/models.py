@@ -96,10 +96,7 @@ def trajectories(loss_scale, overflows, *fields):
   return [np.asarray(x) for x in _trajectories(loss_scale, finite, fields)]
 
 
-# ---------------------------------------------------------------------------
 # The functional MLP.
-
-
 def init_mlp(key, sizes=(4, 16, 3)):
   """Float32 params of a tanh MLP, ``{"layer<i>": {"w", "b"}}``."""
   keys = jax.random.split(key, len(sizes) - 1)
@@ -141,14 +138,13 @@ def make_batch(seed, n=8):
 def poison(tree, value, leaf_index=0, flat_index=0):
   """``tree`` with ``value`` at one element of one leaf."""
   leaves, treedef = jax.tree_util.tree_flatten(tree)
-  leaf = leaves[leaf_index]
-  leaves[leaf_index] = leaf.reshape(-1).at[flat_index].set(value).reshape(leaf.shape)
+  leaves[leaf_index] = leaves[leaf_index].ravel().at[flat_index].set(value).reshape(
+      leaves[leaf_index].shape)
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def bits(tree):
-  """The treedef and each leaf's dtype, shape and bytes: equal when the trees
-  are bit-identical (-0.0 differs from 0.0, a nan equals the same nan)."""
+  """Treedef and each leaf's dtype, shape, bytes: equal when bit-identical (-0.0 != 0.0)."""
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   return treedef, [(np.asarray(x).dtype, np.shape(x), np.asarray(x).tobytes()) for x in leaves]
 
@@ -159,9 +155,8 @@ def f32(a):
 
 
 def like_flax_init(shapes):
-  """Params of the shapes ``shapes`` (``jax.eval_shape`` of a Linen ``init``) drawn in NumPy
-  as Flax's initialisers draw them: lecun normal kernels, unit scales, zero biases, 0.02 for
-  a ``position`` table. Compiling a model's init costs seconds (its random bits)."""
+  """Params of ``shapes`` (``jax.eval_shape`` of a Linen init) drawn in NumPy as Flax draws
+  them (lecun normal, unit scales, zero biases, 0.02 for ``position``): nothing compiled."""
   rng = np.random.default_rng(0)
 
   def draw(path, leaf):
@@ -173,10 +168,7 @@ def like_flax_init(shapes):
   return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
-# ---------------------------------------------------------------------------
 # The Flax classifier.
-
-
 class LinenMLP(nn.Module):
   """Dense(16), relu, LayerNorm, Dense(3): 4 features in, 3 logits out."""
 

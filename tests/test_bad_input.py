@@ -359,9 +359,9 @@ CASES = [Case(*row) if isinstance(row[0], str) else Case(row[0].label, *row) for
      r"1 backs off on every overflow"),
     (dynamic(consecutive_hysteresis="yes"), TE, r"consecutive_hysteresis must be True or False",
      r"got 'yes' of type str"),
-    (dynamic(hysteresis=2**32 + 1), VE, r"hysteresis must be .*<= 2147483647, got 4294967297", r"1 "
-     r"backs off"), (dynamic(counter=2**32 + 5), VE, r"counter .*got 4294967301", r"start with 0"),
-    (dynamic(float("nan")), VE, r"loss_scale must be a number, got nan", SCALE_HINT),
+    (dynamic(hysteresis=2**32 + 1), VE, r"hysteresis must be .*got 4294967297", r"1 backs off"),
+    (dynamic(counter=2**32 + 5), VE, r"counter .*got 4294967301", r"start with 0"), (dynamic(
+        float("nan")), VE, r"loss_scale must be a number, got nan", SCALE_HINT),
     (dynamic(counter=5, period=5), VE, r"counter must be an integer >= 0 and <= 4, got 5",
      r"so it lies in \[0, period\); start with 0"),
     ("DynamicLossScale: traced float counter",
@@ -586,9 +586,8 @@ CASES = [Case(*row) if isinstance(row[0], str) else Case(row[0].label, *row) for
     (deepspeed({"optimizer": {"type": "AdamW", "params": {"lr": "1e-3"}}}), VE, r"lr must be a "
      r"number, got '1e-3' of type str", r"without quotes"), (deepspeed({"bf16": {"enabeld": 1}}),
      VE, r"bf16\.enabeld is not a key of the bf16 block", r"Did you mean 'enabled'\?"),
-    (deepspeed({"gradient_clipping": float("inf")}), VE, r"gradient_clipping must be finite, got "
-     r"inf", r"Use 0 for no clipping"), (deepspeed({"gradient_accumulation_steps": 2.5}), VE,
-     r"gradient_accumulation_steps must be an integer, got 2\.5", r"micro-batches per optimizer"),
+    (deepspeed({"gradient_clipping": float("inf")}), VE, r"clipping must be finite, got inf",
+     r"Use 0"), (deepspeed({"gradient_accumulation_steps": 2.5}), VE, r"got 2\.5", r"micro-batch"),
     (deepspeed({"gradient_clipping": -1}), VE, r"gradient_clipping must be a number >= 0, got -1",
      r"Use 0 for no clipping"),
     (deepspeed({"gradient_accumulation_steps": 0}), VE, r"gradient_accumulation_steps must be an "
@@ -608,8 +607,8 @@ CASES = [Case(*row) if isinstance(row[0], str) else Case(row[0].label, *row) for
     (torch_scaler(enabled="yes"), TE, r"enabled must be True or False, got 'yes'",
      r"PyTorch's default is True"),
     # Flax, diagnostics, the precision audit, autocast.
-    (create(apply_fn=None, params=PARAMS, tx=optax.sgd(0.1), loss_scale=2.0**15), TE, r"loss_scale"
-     r" must be a jaxmp loss scale .*got 32768\.0", r"such as jaxmp\.DynamicLossScale\(\)"),
+    ("TrainState.create: a number as loss_scale", create(apply_fn=None, params=PARAMS, tx=optax.sgd(
+        0.1), loss_scale=2.0**15), TE, r"a jaxmp loss scale .*32768\.0", r"DynamicLossScale\(\)"),
     ("TrainState.create: an optimizer already wrapped", create(apply_fn=None, params=PARAMS, tx=TX),
      VE, r"tx is already wrapped with jaxmp\.loss_scaling", r"Pass the bare optimizer"),
     ("precision_report: arguments without the function",

@@ -292,10 +292,9 @@ allocation 1: size 12, preallocated-temp:
 
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["no clip", "clip"])
 def test_accumulation_costs_no_more_than_optax_multisteps(clip):
-  """jaxmp.multi_steps against optax.MultiSteps, unguarded: bytes accessed within
-  +2%, temp memory within +0.5%, and at most 4 more kernels per distinct gradient
-  shape (the norm's reduction, and the micro-batch's own check that keep_on_skip
-  reads) and 2 more for the loss scale's work."""
+  """jaxmp.multi_steps against optax.MultiSteps, unguarded: bytes accessed within +2%, temp memory
+  within +0.5%, and at most 4 more kernels per distinct gradient shape (the norm's reduction, and
+  the micro-batch's own check that keep_on_skip reads) and 2 more for the loss scale's work."""
   scaling, shapes = benchmark("scaling"), 8
   # An elementwise loss: the optimizer and the guard are most of the step.
   loss_fn, params, batch = scaling.leaves_loss(shapes, True, 200_000)

@@ -1,8 +1,6 @@
-"""Checkpoints: resumes mid-burst (Linen, NNX, a gradient accumulator), the
-configuration they check (refused unless ``check_config=False``, with advice
-that works), overwrites that fail or are killed. The checkpoints of a run
-that switched precision: tests/test_fallback.py.
-"""
+"""Checkpoints: resumes mid-burst (Linen, NNX, a gradient accumulator), the configuration they
+check (refused unless ``check_config=False``, with advice that works), overwrites that fail or are
+killed. The checkpoints of a run that switched precision: tests/test_fallback.py."""
 
 import pathlib
 import shutil
@@ -247,11 +245,10 @@ def test_a_mismatched_checkpoint_is_refused_quietly_before_any_array_is_read(
   assert not [r for r in caplog.records if r.levelno >= 30]  # no warnings logged
 
 
-# A forced overwrite never loses the checkpoint it replaces. For each line
-# "path value kill_at", a child forked (JAX starts in it, never in the parent)
-# saves `value`s over the checkpoint at `path` and SIGKILLs itself before its
-# `kill_at`-th os.rename or shutil.rmtree (each filesystem step of the
-# overwrite, orbax's and jaxmp's); its exit code is the answer (-9 if killed).
+# A forced overwrite never loses the checkpoint it replaces. For each line "path value kill_at", a
+# child forked (JAX starts in it, never in the parent) saves `value`s over the checkpoint at `path`
+# and SIGKILLs itself before its `kill_at`-th os.rename or shutil.rmtree (each filesystem step of
+# the overwrite, orbax's and jaxmp's); its exit code is the answer (-9 if killed).
 KILLED_SAVES = """
 import itertools, os, shutil, signal, sys, traceback
 import numpy as np
@@ -327,8 +324,7 @@ def test_a_failed_forced_overwrite_keeps_the_old_checkpoint(tmp_path):
   running = set(threading.enumerate())
   with pytest.raises(ValueError, match="Unsupported type"):
     jaxmp.flax.save_checkpoint(tmp_path / "ckpt", {"a": "not an array"}, force=True)
-  # What the failed save started in threads has ended: nothing writes after it returns, and
-  # nothing left waiting keeps the process from exiting.
+  # The failed save's threads have ended: nothing writes after it, nothing blocks the exit.
   assert [t for t in set(threading.enumerate()) - running if t.is_alive() and not t.daemon] == []
   assert restored_value(tmp_path / "ckpt") == 1.0
   jaxmp.flax.save_checkpoint(tmp_path / "ckpt", filled(2.0), force=True)

@@ -131,10 +131,9 @@ def test_jaxmp_accepts_and_refuses_what_deepspeed_does():
 
 # DeepSpeed's scaler: recorded, and re-implemented from `update_scale`.
 class DeepSpeedScaler:
-  """DeepSpeed's dynamic loss scaler in plain Python (float64 scale). It counts
-  the steps on which DeepSpeed raises "already at minimum" (``raises``) and
-  goes on; with ``jaxmp_timing`` it grows on the window-th clean step (jaxmp's
-  contract), one step before DeepSpeed."""
+  """DeepSpeed's dynamic loss scaler in plain Python (float64 scale). It counts the steps on which
+  DeepSpeed raises "already at minimum" (``raises``) and goes on; with ``jaxmp_timing`` it grows on
+  the window-th clean step (jaxmp's contract), one step before DeepSpeed."""
 
   def __init__(self, config, jaxmp_timing=False):
     self.scale = 2.0**config["initial_scale_power"]

@@ -70,10 +70,9 @@ def site(tmp_path_factory) -> pathlib.Path:
 
 
 class _Page(html.parser.HTMLParser):
-  """What the tests read from a built page: ``nav_links``, the hrefs of the
-  primary navigation; ``h1``, the text of the first heading; ``objects``, for
-  each mkdocstrings object (a ``div.doc-object``) by the id of its heading, its
-  whole text and the text of its signature block."""
+  """What the tests read from a built page: ``nav_links``, the hrefs of the primary navigation;
+  ``h1``, the text of the first heading; ``objects``, for each mkdocstrings object (a ``div.doc-
+  object``) by the id of its heading, its whole text and the text of its signature block."""
 
   def __init__(self, path: pathlib.Path):
     super().__init__(convert_charrefs=True)
@@ -188,8 +187,7 @@ def test_every_public_name_is_in_the_api_reference_with_its_signature(site):
     section, obj = objects[identifier], api_coverage.resolve(name)
     short = identifier.rpartition(".")[2]
     if inspect.isclass(obj) and f"{identifier}.create" in objects:
-      # Built by a `create` classmethod, as Flax's TrainState: that is the
-      # signature users need.
+      # Built by a `create` classmethod, as Flax's TrainState: that is the signature users need.
       section, obj, short = objects[f"{identifier}.create"], obj.create, "create"
     callable_with_signature = inspect.isroutine(obj) or (
         inspect.isclass(obj) and not issubclass(obj, BaseException)

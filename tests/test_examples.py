@@ -116,18 +116,16 @@ HALF_MODES = {"autocast-float16": "float16", "autocast-bfloat16": "bfloat16",
 
 @pytest.fixture(scope="module")
 def wmt():
-  """The example and its runs of 40 steps. The model adds its float32 position table
-  to embeddings that a policy may have cast, relying on standard promotion as user
-  code does."""
+  """The example and its runs of 40 steps. The model adds its float32 position table to embeddings
+  that a policy may have cast, relying on standard promotion as user code does."""
   module = load("wmt_transformer")
   with jax.numpy_dtype_promotion("standard"):
     return module, {mode: module.train(mode, steps=40) for mode in module.MODES}
 
 
 def losses_by_update(history):
-  """The loss before the n-th applied update, for n = 0, 1, ...: a skipped
-  step does not move the params, so its successor is compared to the same
-  float32 step."""
+  """The loss before the n-th applied update, for n = 0, 1, ...: a skipped step does not move the
+  params, so its successor is compared to the same float32 step."""
   losses, applied = [], 0
   for loss, skipped in zip(history["loss"], history["skipped"]):
     if len(losses) == applied:

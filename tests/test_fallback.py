@@ -47,11 +47,10 @@ SCALE = jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0)
 
 
 def _run(framework, loss_scale=None, model=None, x=X, loss=None, learning_rate=1e-2):
-  """``(target, model, step, traces)`` of a run that starts in mixed_float16:
-  ``step(target, x, policy)`` returns the target after one update and the
-  gradients; ``traces`` grows by one each time the step is traced. The model
-  (nn.Dense(3), NnxHead: in float16 they overflow on large inputs) is
-  initialized on ``x``; ``loss`` of its output, default the mean square."""
+  """``(target, model, step, traces)`` of a run that starts in mixed_float16: ``step(target, x,
+  policy)`` returns the target after one update and the gradients; ``traces`` grows by one each
+  time the step is traced. The model (nn.Dense(3), NnxHead: in float16 they overflow on large
+  inputs) is initialized on ``x``; ``loss`` of its output, default the mean square."""
   traces, loss = [], loss or (lambda out: jnp.mean(out.astype(jnp.float32) ** 2))
   if framework == "nnx":
     model = model or NnxHead(nnx.Rngs(0))

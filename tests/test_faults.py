@@ -45,9 +45,8 @@ def wrapped(loss_scale, k=1):  # accumulating k micro-batches if k > 1
 
 
 class Plan:
-  """A seeded fault plan over ``n`` steps (NumPy arrays, one entry a step): which
-  steps are injected, where (site 0 is the loss, site i > 0 gradient leaf i - 1),
-  and with which value."""
+  """A seeded fault plan over ``n`` steps (NumPy arrays, one entry a step): which steps are
+  injected, where (site 0 is the loss, site i > 0 gradient leaf i - 1), and with which value."""
 
   def __init__(self, inject, seed, sites="mixed"):
     rng, n, self.inject = np.random.default_rng(seed), len(inject), np.asarray(inject, bool)
@@ -185,9 +184,8 @@ SEEDS = st.integers(0, 2**16)
 def dynamic_loss_scales(draw):
   period = draw(st.sampled_from([1, 3, 10, 50, 400]))
   init_power = draw(st.integers(0, 24))
-  # Below 2**40 the scaled float32 gradients of this model never overflow, so
-  # every skipped step is an injected one. Slowly growing scales may keep the
-  # default maximum (the largest float32).
+  # Below 2**40 the scaled float32 gradients of this model never overflow, so every skipped step is
+  # an injected one. Slowly growing scales may keep the default maximum (the largest float32).
   max_power = draw(st.sampled_from([init_power, 30, 40] + ([None] if period >= 400 else [])))
   return jaxmp.DynamicLossScale(
       2.0**init_power, period=period, factor=draw(st.sampled_from([2.0, 4.0, 1.5])),

@@ -473,10 +473,9 @@ def _next_byte(logits, batch):
 @pytest.mark.integration  # trains two small language models
 @frameworks
 def test_lm_fp8_loss_stays_within_tolerance_of_bf16(framework):
-  """The mean loss of the last 10 of 40 Adam steps on bytes of this project's
-  sources (Linen: the demo's model; NNX: TinyLm, its 7 matmul layers in FP8).
-  Measured (seed 0, CPU): bfloat16 3.5045, FP8 3.5036 nats (Linen); 3.4659
-  and 3.4748 (NNX); the tolerance is 0.05 nats."""
+  """The mean loss of the last 10 of 40 Adam steps on bytes of this project's sources (Linen: the
+  demo's model; NNX: TinyLm, its 7 matmul layers in FP8). Measured (seed 0, CPU): bfloat16 3.5045,
+  FP8 3.5036 nats (Linen); 3.4659 and 3.4748 (NNX); the tolerance is 0.05 nats."""
   import train_lm  # pylint: disable=import-outside-toplevel
 
   text = np.frombuffer(pathlib.Path(train_lm.__file__).read_bytes(), np.uint8)

@@ -194,9 +194,8 @@ def test_inside_shard_map_a_sharded_state_is_selected_in_place(name, monkeypatch
   for switch in ("1", "0"):
     monkeypatch.setenv("JAXMP_INPLACE_SELECT", switch)
     step, params, state, temp_bytes = _zero_style_step(name, mesh)
-    # The guard's temporaries beyond the unguarded step's: in place, only the
-    # loss scale's scalars, never a copy of a sharded state leaf; the plain
-    # select copies the moments.
+    # The guard's temporaries beyond the unguarded step's: in place, only the loss scale's scalars,
+    # never a copy of a sharded state leaf; the plain select copies the moments.
     assert (temp_bytes - unguarded < shard_bytes) == (switch == "1"), temp_bytes - unguarded
     outs = []
     for poison in (0.0, jnp.nan, 0.0):  # finite, skipped, finite

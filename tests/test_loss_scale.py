@@ -98,9 +98,8 @@ def test_jmp_positional_signature_and_behaviour():
 
 
 def test_scale_and_unscale_compute_in_float32(variant):
-  # A float16 loss times 2**15 would be inf in float16; unscale returns
-  # half-precision leaves in float32, as jmp's does: 2**-16 / 2**10 is below
-  # float16's smallest subnormal, and is kept.
+  # A float16 loss times 2**15 would be inf in float16; unscale returns half-precision leaves in
+  # float32, as jmp's does: 2**-16 / 2**10 is below float16's smallest subnormal, and is kept.
   static = jaxmp.StaticLossScale(2.0**15)
   scaled = variant(static.scale)({"f16": jnp.float16(4.0), "bf16": jnp.bfloat16(1.0),
                                   "f64": np.float64(1.5)})

@@ -355,9 +355,8 @@ ALL_FINITE_JITTED = jax.jit(jaxmp.all_finite)
 
 @functools.cache
 def _forms_of_the_check():
-  """name -> (optimizer, micro-batches per step, update), each jitted once for the
-  whole table: the update's flag without and with clipping (the norm's), and
-  multi_steps' on the sum of one micro-batch, or of it and zeros."""
+  """name -> (optimizer, micro-batches per step, update), jitted once for the table: the
+  update's flag without and with clipping, multi_steps' on one micro-batch or it and zeros."""
   txs = {(k, clip): jaxmp.multi_steps(optax.sgd(1.0), jaxmp.NoOpLossScale(), k,
                                       clip_global_norm=clip) if k else jaxmp.loss_scaling(
       optax.sgd(1.0), jaxmp.NoOpLossScale(), clip_global_norm=clip)  # k = 0: loss_scaling

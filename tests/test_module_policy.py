@@ -202,9 +202,8 @@ def test_rules_by_name_by_path_and_by_an_enclosing_block(framework):
   assert dots(by_block) == [full, half, half]
   assert float_out_dtypes(after_each_product(by_block.jaxpr)[0]) == {F32}  # its LayerNorm
   assert dots(traced({MODELS[framework]["Block"]: "float32"})) == [full, full, half]
-  # Overlapping rules resolve by first_match (without it they raise: the
-  # catalogue's "ModulePolicy: overlapping rules"); default=None leaves the
-  # other layers alone.
+  # Overlapping rules resolve by first_match (without it they raise: the catalogue's "ModulePolicy:
+  # overlapping rules"); default=None leaves the other layers alone.
   assert dots(traced([("block1/dense", "float32"), (MODELS[framework]["Dense"], "bf16")],
                      default="float32", first_match=True)) == [half, full, half]
   assert dots(traced({"head": "bf16"}, default=None)) == [full, full, half]
@@ -425,10 +424,9 @@ def run_every_binding(policy):
 
 
 def test_a_module_given_the_policys_dtype_keeps_its_variables_and_rngs():
-  """Given dtype=float32, every layer runs as a copy bound to its variables:
-  init, output (dropout included) and new batch statistics bit for bit as the
-  plain model's. In bfloat16 it trains; in the scan the carry keeps its dtype
-  (the float32 LayerNorm returns bfloat16)."""
+  """Given dtype=float32, every layer runs as a copy bound to its variables: init, output (dropout
+  included) and new batch statistics bit for bit as the plain model's. In bfloat16 it trains; in
+  the scan the carry keeps its dtype (the float32 LayerNorm returns bfloat16)."""
   policy = jaxmp.flax.ModulePolicy({}, default="float32", override_dtype=True)
   ran = run_every_binding(policy)
   chex.assert_trees_all_equal(ran, run_every_binding(None))

@@ -204,10 +204,9 @@ def test_a_retried_step_leaves_the_state_of_the_plain_step_that_worked_or_was_sk
     step(state, x)
 
 
-# A skipped step may advance these: the loss scale's state, the skip counters,
-# and the step counters outside the inner optimizer (a TrainState's step, an
-# nnx.Optimizer's, inject_hyperparams' count and the learning rate it
-# schedules), but not adam's own count.
+# A skipped step may advance these: the loss scale's state, the skip counters, and the step
+# counters outside the inner optimizer (a TrainState's step, an nnx.Optimizer's,
+# inject_hyperparams' count and the learning rate it schedules), but not adam's own count.
 SKIP_MAY_CHANGE = re.compile(r"loss_scale|skipped_steps|lost_steps|last_finite|learning_rate|"
                              r"\['step'\]|(?<!\[0\])(\.count|\['count'\])")
 
@@ -238,9 +237,8 @@ def test_a_skipped_step_changes_no_array_and_a_finite_step_moves_every_one(name)
       for path, value in before.items():
         if not SKIP_MAY_CHANGE.search(path):
           assert after[path].tobytes() == value.tobytes(), path
-  # Each overflow spends one unit of hysteresis and each clean step refills
-  # it; the second of two in a row backs the scale off (the budget stays
-  # spent until a clean step).
+  # Each overflow spends one unit of hysteresis and each clean step refills it; the second of two
+  # in a row backs the scale off (the budget stays spent until a clean step).
   assert trajectory == list(zip([2, 1, 2, 1, 2, 1, 1, 2], [2.0**8] * 6 + [2.0**7] * 2))
   assert metrics(state)["skipped_steps"] == 4
   if name in ("linen", "nnx"):  # a TrainState and an nnx.Optimizer count calls
