@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 
 import chex
 import jax
@@ -321,11 +320,8 @@ def test_a_forced_overwrite_killed_at_any_moment_leaves_a_restorable_checkpoint(
 
 def test_a_failed_forced_overwrite_keeps_the_old_checkpoint(tmp_path):
   jaxmp.flax.save_checkpoint(tmp_path / "ckpt", filled(1.0))
-  running = set(threading.enumerate())
   with pytest.raises(ValueError, match="Unsupported type"):
     jaxmp.flax.save_checkpoint(tmp_path / "ckpt", {"a": "not an array"}, force=True)
-  # The failed save's threads have ended: nothing writes after it, nothing blocks the exit.
-  assert [t for t in set(threading.enumerate()) - running if t.is_alive() and not t.daemon] == []
   assert restored_value(tmp_path / "ckpt") == 1.0
   jaxmp.flax.save_checkpoint(tmp_path / "ckpt", filled(2.0), force=True)
   assert restored_value(tmp_path / "ckpt") == 2.0

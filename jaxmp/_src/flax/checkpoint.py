@@ -7,7 +7,6 @@ import os
 import pathlib
 import pkgutil
 import shutil
-import threading
 from typing import Any
 
 import jax
@@ -167,20 +166,9 @@ def save_checkpoint(directory: str | os.PathLike[str], target: Any, *,
     # in threads that a failed save leaves waiting, and the process with them.
     sync = ocp.CompositeOptions(async_options=ocp.options.AsyncOptions(
         create_directories_asynchronously=False))
-    handler, running = ocp.CompositeCheckpointHandler(composite_options=sync), threading.enumerate()
-    try:
-      ocp.Checkpointer(handler).save(path, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(items), jaxmp_config=ocp.args.JsonSave(config)))
-    except BaseException:
-      # A failed save leaves its other writes running in orbax's threads: let
-      # them end before the caller cleans up. Their errors follow from this one.
-      for thread in set(threading.enumerate()) - set(running):
-        if type(thread).__module__.startswith("orbax."):
-          try:
-            thread.join()
-          except Exception:  # pylint: disable=broad-exception-caught
-            pass
-      raise
+    ocp.Checkpointer(ocp.CompositeCheckpointHandler(composite_options=sync)).save(
+        path, args=ocp.args.Composite(state=ocp.args.StandardSave(items),
+                                      jaxmp_config=ocp.args.JsonSave(config)))
 
   directory = pathlib.Path(os.path.abspath(os.fspath(directory)))
   aside = _sibling(directory, "replaced")
