@@ -359,6 +359,11 @@ def all_finite(tree: Any) -> jax.Array:
 _MAX_REDUCE_OPERANDS = 64
 
 
+def _and_pairwise(acc, values):
+  # Defined once, so an un-jitted call finds the reduce it compiled before.
+  return [jnp.logical_and(a, v) for a, v in zip(acc, values)]
+
+
 def leaf_finite_flags(leaves: list[Any]) -> list[jax.Array]:
   """A scalar bool per leaf (true iff finite), from variadic reduces of leaves alike.
 
@@ -383,7 +388,7 @@ def leaf_finite_flags(leaves: list[Any]) -> list[jax.Array]:
       operands = operands * 2
     reduced = jax.lax.reduce(
         operands, [np.bool_(True)] * len(operands),
-        lambda acc, values: [jnp.logical_and(a, v) for a, v in zip(acc, values)],
+        _and_pairwise,
         tuple(range(len(shape))))
     if lone:
       reduced = [jnp.logical_and(*reduced)]

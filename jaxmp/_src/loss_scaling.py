@@ -262,6 +262,11 @@ def _sum_once(parts: list[jax.Array]) -> jax.Array:
   return jnp.cumsum(jnp.stack(parts))[-1]
 
 
+def _add_pairwise(a, b):
+  # Defined once, so an un-jitted call finds the reduce it compiled before.
+  return a[0] + b[0], a[1] + b[1]
+
+
 def global_norm_and_finite(tree: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``(scale, scaled_norm, finite)``: the float32 global norm is ``scaled_norm / scale``.
 
@@ -279,7 +284,7 @@ def global_norm_and_finite(tree: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
       # One variadic reduction: XLA reads the leaf once for both sums.
       plain_sum, scaled_sum = jax.lax.reduce(
           (jnp.square(part), jnp.square(part * _HUGE_NORM_SCALE)),
-          (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]), tuple(range(part.ndim)))
+          (zero, zero), _add_pairwise, tuple(range(part.ndim)))
       plain.append(plain_sum)
       scaled.append(scaled_sum)
   if not plain:
