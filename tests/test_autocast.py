@@ -243,8 +243,8 @@ def test_checkpoint_scan_cond_and_while_loop():
   assert eqns(jaxpr, "cond")[0].outvars[0].aval.dtype == F32
   # scan 1 and cond 1 forward; 1 recomputed and 2 transposed each.
   assert dot_dtypes(jaxpr) == [(BF16, BF16)] * 7
-  (loss, grads), (want_loss, want_grads) = (
-      jax.jit(jax.value_and_grad(f))(params, x) for f in (fast, nested))
+  (loss, grads), (want_loss, want_grads) = jax.jit(  # both in one program
+      lambda *args: [jax.value_and_grad(f)(*args) for f in (fast, nested)])(params, x)
   chex.assert_trees_all_equal_dtypes(grads, params)
   chex.assert_trees_all_close(grads, want_grads, rtol=0.05, atol=0.02)
   np.testing.assert_allclose(loss, want_loss, rtol=2e-2)
@@ -386,8 +386,8 @@ def test_a_fully_masked_row_stays_uniform_with_the_mask_given_or_built_inside(po
   keep = jax.device_put(np.tril(np.ones((4, 5), bool), 1) & ~padding)
   compiled = jax.jit(masked_rows, static_argnums=0)  # all cases in one program
   expected = compiled(None, q, k, keep)
-  for got in (masked_rows(policy, q, k, keep), compiled(policy, q, k, keep)):
-    for want, row in zip(expected, got, strict=True):  # op by op, then compiled
+  for got in (masked_rows(policy, q, k, keep), compiled(policy, q, k, keep)):  # op by op, compiled
+    for want, row in zip(map(np.asarray, expected), map(np.asarray, got), strict=True):
       np.testing.assert_array_equal(want[0], np.full(5, 1 / 5, np.float32))
       np.testing.assert_array_equal(row[0], want[0])
       np.testing.assert_allclose(row[1:], want[1:], atol=0.03)
@@ -532,10 +532,10 @@ def test_the_docs_publish_the_rule_table():
 def autocast_state(policy):
   """A TrainState with autocast=True over an MLP declaring float32; a batch; a loss."""
   model, x = models.LinenMLP(dtype=jnp.float32), f32(np.ones((8, 4)))
+  params = like_flax_init(jax.eval_shape(model.init, jax.random.key(0), x))["params"]
   state = jaxmp.flax.TrainState.create(
-      apply_fn=model.apply, params=jax.jit(model.init)(jax.random.key(0), x)["params"],
-      tx=optax.adam(1e-2), policy=policy, loss_scale=jaxmp.DynamicLossScale(2.0**8),
-      autocast=True)
+      apply_fn=model.apply, params=params, tx=optax.adam(1e-2), policy=policy,
+      loss_scale=jaxmp.DynamicLossScale(2.0**8), autocast=True)
   return state, x, lambda params, x: jnp.mean(state.apply_fn({"params": params}, x) ** 2)
 
 
