@@ -19,18 +19,12 @@ from models import bits, f32, like_flax_init
 
 F16, F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
 MIXED = jaxmp.get_policy("mixed_float16")
+BATCH = f32(np.random.default_rng(0).normal(size=(8, 4))), jax.device_put(np.arange(8) % 3)  # NumPy
 
 
 @functools.cache
 def mlp_params():  # drawn in NumPy: nothing compiled
-  return like_flax_init(jax.eval_shape(lambda: MLP().init(jax.random.key(0), jnp.ones((1, 4)))))[
-      "params"]
-
-
-def batch():
-  """``(x, y)``: 8 float32 rows of 4 features and their labels in 0..2, drawn in NumPy."""
-  return f32((rng := np.random.default_rng(0)).normal(size=(8, 4))), jax.device_put(
-      rng.integers(0, 3, 8, dtype=np.int32))
+  return like_flax_init(jax.eval_shape(MLP().init, jax.random.key(0), np.ones((1, 4))))["params"]
 
 
 def make_state(policy="mixed_float16", loss_scale=None, tx=None, **kwargs):
@@ -59,7 +53,7 @@ def dtypes(tree):
 
 
 def test_value_and_grad_runs_under_policy_and_returns_scaled_grads():
-  state, (x, y), seen = make_state(loss_scale=jaxmp.StaticLossScale(64.0)), batch(), {}
+  state, (x, y), seen = make_state(loss_scale=jaxmp.StaticLossScale(64.0)), BATCH, {}
 
   def loss(params, x, y):
     logits = state.apply_fn({"params": params}, x)
@@ -124,17 +118,15 @@ def test_create_defaults():
 
 def test_schedule_does_not_advance_on_skipped_steps():
   schedule = optax.linear_schedule(1.0, 0.0, 10)
-  # Created in one program: the schedule's first value is not computed op by op.
   state = jax.jit(lambda: make_state(tx=optax.inject_hyperparams(optax.sgd)(schedule)))()
-  (x, y), step = batch(), jax.jit(train_step)
+  (x, y), step = BATCH, jax.jit(train_step)  # the state made in one program too, not op by op
   after_one = (state := step(state, x, y)[0]).opt_state.inner_state
   state = step(state, f32(np.where(np.arange(32).reshape(8, 4) == 0, np.nan, x)), y)[0]
   chex.assert_trees_all_equal(state.opt_state.inner_state, after_one)
   assert int(state.step) == 2 and int(state.metrics["skipped_steps"]) == 1
   inner = step(state, x, y)[0].opt_state.inner_state
   # Two applied updates: the schedule is at its second value, not its third.
-  assert (int(inner.count), float(inner.hyperparams["learning_rate"])) == (
-      2, float(jax.jit(schedule)(1)))
+  assert (int(inner.count), float(inner.hyperparams["learning_rate"])) == (2, jax.jit(schedule)(1))
 
 
 @pytest.mark.parametrize("policy, seen", [
@@ -147,7 +139,7 @@ def test_schedule_does_not_advance_on_skipped_steps():
 def test_a_path_or_module_policy_state_keeps_the_layernorm_in_float32(policy, seen):
   """``seen``: the dtypes of the params of each layer in the loss (a
   ModulePolicy casts inside the modules)."""
-  state, (x, y), got = make_state(policy=policy), batch(), []
+  state, (x, y), got = make_state(policy=policy), BATCH, []
   step = lambda s: train_step(s, x, y, got.append)
   eqns = jax.make_jaxpr(step)(state).jaxpr.eqns
   assert got.pop() == dict(zip(("Dense_0", "LayerNorm_0", "Dense_1"), seen))
@@ -196,7 +188,7 @@ def test_apply_gradients_keeps_the_fields_dtypes_and_replaces_static_ones():
 
 
 def test_create_passes_axis_name_so_replicas_skip_together():
-  state, (x, y) = make_state(tx=optax.sgd(0.1), axis_name="replicas"), batch()
+  state, (x, y) = make_state(tx=optax.sgd(0.1), axis_name="replicas"), BATCH
   replicated = jax.tree_util.tree_map(lambda a: np.stack([a, a]), state)  # NumPy: not compiled
   xs = np.stack([x, np.where(np.arange(32).reshape(8, 4) == 0, np.inf, x)])  # an overflow on one
   # Jitted: the same program as the eager vmap, compiled once instead of op by op.
@@ -217,10 +209,9 @@ class _NormedMlp(nn.Module):
 
 def test_autocast_alone_decides_the_dtypes():
   """apply_fn casts nothing itself: jaxmp.autocast over the bare model, bit for bit."""
-  rng, model = np.random.default_rng(1), _NormedMlp()
-  x = f32(rng.normal(size=(8, 3)))  # and every param normal, drawn in NumPy
-  params = jax.tree_util.tree_map(lambda p: f32(rng.normal(size=p.shape)), jax.eval_shape(
-      lambda x: model.init(jax.random.key(0), x), x))["params"]
+  model, x = _NormedMlp(), f32((rng := np.random.default_rng(1)).normal(size=(8, 3)))
+  params = jax.tree.map(lambda p: f32(rng.normal(size=p.shape)), jax.eval_shape(  # all normal
+      model.init, jax.random.key(0), x))["params"]
   state = jaxmp.flax.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1),
                                        policy="mixed_bfloat16", autocast=True)
   loss_fn = lambda apply_fn: lambda params, x: jnp.mean(apply_fn({"params": params}, x) ** 2)

@@ -161,6 +161,7 @@ MODELS = {"linen": {"LayerNorm": nn.LayerNorm, "Dense": nn.Dense, "Block": Linen
                   "Nested": NnxNested, "Declared": NnxDeclaredFloat32}}
 frameworks = pytest.mark.parametrize("framework", sorted(MODELS))
 X = jnp.ones((2, 3))
+TOKENS = jax.device_put(np.array([[1, 2, 3], [4, 5, 6]], np.int32))
 
 
 @frameworks
@@ -229,11 +230,6 @@ def test_layers_built_with_float32_compute_in_float16_but_a_float32_rule_holds(f
   assert traced.grads == {F32}
 
 
-@functools.cache
-def mlp_variables():  # drawn in NumPy: nothing compiled
-  return like_flax_init(jax.eval_shape(LinenMLP().init, jax.random.key(0), jnp.ones((2, 4))))
-
-
 class ScanCell(nn.Module):
   @nn.compact
   def __call__(self, carry, x):
@@ -257,7 +253,8 @@ def test_jit_hashable_and_str():
       "default=p=f32,c=bf16,o=f32, first_match=False, override_dtype=True)")
   assert str(jaxmp.flax.ModulePolicy({}, override_dtype=(nn.Dense,))).endswith(
       "override_dtype=(flax.linen.linear.Dense,))")
-  model, x, variables = LinenMLP(), f32(np.ones((2, 4))), mlp_variables()
+  model, x = LinenMLP(), f32(np.ones((2, 4)))
+  variables = like_flax_init(jax.eval_shape(model.init, jax.random.key(0), x))  # NumPy's draws
 
   @jax.jit(static_argnums=0)
   @chex.assert_max_traces(n=1)
@@ -409,9 +406,6 @@ class EveryCompact(nn.Module):
     stack = nn.scan(ScanCell, variable_axes={"params": 0},
                     split_rngs={"params": True}, length=2)
     return stack()(h, jnp.zeros((2,)))[0]
-
-
-TOKENS = jax.device_put(np.array([[1, 2, 3], [4, 5, 6]], np.int32))
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -21,9 +21,9 @@ import models
 from matmul_dtypes import input_dtypes
 
 F16 = np.dtype(jnp.float16)
-_RNG = np.random.default_rng(0)  # the batch, 8 rows of 4 features and their 3 classes
-X, Y = models.f32(_RNG.normal(size=(8, 4))), jax.device_put(_RNG.integers(0, 3, 8, np.int32))
+X, Y = models.f32(np.random.default_rng(0).normal(size=(8, 4))), jax.device_put(np.arange(8) % 3)
 ones = lambda *shape: np.ones(shape, np.float32)  # arguments traced only: nothing compiled
+KEY = jax.random.key(0)
 USER_CODE_MIXES = "the audited code mixes float16 and float32 on purpose"
 
 
@@ -150,8 +150,7 @@ def test_gradients_remat_and_a_custom_vjp_label_their_passes():
 
 def train_state(model, policy="mixed_float16", *inputs):
   """A TrainState of ``model``, initialised on ``inputs`` (by default ``X``)."""
-  params = models.like_flax_init(jax.eval_shape(  # drawn in NumPy: nothing compiled
-      lambda *inputs: model.init(jax.random.key(0), *inputs), *(inputs or (X,))))["params"]
+  params = models.like_flax_init(jax.eval_shape(model.init, KEY, *(inputs or (X,))))["params"]
   return jaxmp.flax.TrainState.create(
       apply_fn=model.apply, params=params, tx=optax.sgd(0.1), policy=policy)
 
@@ -331,8 +330,7 @@ def test_a_correct_model_or_float32_by_a_rule_does_not_warn_nor_retrace_nor_tran
 
 @pytest.mark.parametrize("audit", [False, True])
 def test_the_audit_is_opt_in_and_its_trace_the_only_extra_one(audit):
-  # One layer declaring float32 and a squared loss: the calls outside jit run op by op.
-  state = train_state(nn.Dense(3, dtype=jnp.float32), "mixed_bfloat16")
+  state = train_state(nn.Dense(3, dtype=jnp.float32), "mixed_bfloat16")  # few ops, op by op
   traces, (x4, y4) = [], jax.device_put((np.asarray(X)[:4], np.asarray(Y)[:4]))
 
   def loss_fn(params, x, y):
