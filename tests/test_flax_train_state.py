@@ -15,16 +15,16 @@ import pytest
 import jaxmp
 import jaxmp.flax
 from models import LinenMLP as MLP
-from models import bits
-from models import classification_batch as batch
+from models import bits, f32, like_flax_init
 
 F16, F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
 MIXED = jaxmp.get_policy("mixed_float16")
+BATCH = f32(np.random.default_rng(0).normal(size=(8, 4))), jax.device_put(np.arange(8) % 3)  # NumPy
 
 
 @functools.cache
-def mlp_params():
-  return jax.jit(MLP().init)(jax.random.key(0), jnp.ones((1, 4)))["params"]
+def mlp_params():  # drawn in NumPy: nothing compiled
+  return like_flax_init(jax.eval_shape(MLP().init, jax.random.key(0), np.ones((1, 4))))["params"]
 
 
 def make_state(policy="mixed_float16", loss_scale=None, tx=None, **kwargs):
@@ -53,7 +53,7 @@ def dtypes(tree):
 
 
 def test_value_and_grad_runs_under_policy_and_returns_scaled_grads():
-  state, (x, y), seen = make_state(loss_scale=jaxmp.StaticLossScale(64.0)), batch(), {}
+  state, (x, y), seen = make_state(loss_scale=jaxmp.StaticLossScale(64.0)), BATCH, {}
 
   def loss(params, x, y):
     logits = state.apply_fn({"params": params}, x)
@@ -70,7 +70,7 @@ def test_value_and_grad_runs_under_policy_and_returns_scaled_grads():
       manual, jaxmp.StaticLossScale(64.0)))(state.params))
   # Float targets come as they are too: the loss compares the float32 output
   # with 1000.3, not float16's 1000.5, and nothing mixes float16 and float32.
-  assert float((y := jnp.full((x.shape[0], 3), 1000.3)).astype(F16)[0, 0]) == 1000.5
+  assert float(np.float16(1000.3)) == 1000.5 and (y := f32(np.full((8, 3), 1000.3))).dtype == F32
 
   def regression(params, x, y):
     seen["y"] = y.dtype
@@ -78,7 +78,8 @@ def test_value_and_grad_runs_under_policy_and_returns_scaled_grads():
 
   value, _ = jax.jit(state.value_and_grad(regression))(state.params, x, y)
   assert seen["y"] == F32 and value.dtype == F32
-  assert float(value) == float(jax.jit(regression)(MIXED.cast_to_compute(state.params), x, y))
+  assert float(value) == float(jax.jit(lambda p, x, y: regression(MIXED.cast_to_compute(p), x, y))(
+      state.params, x, y))
 
 
 @pytest.mark.parametrize("policy", [
@@ -90,8 +91,8 @@ def test_a_state_created_twice_is_one_pytree_structure(policy):
   # Static fields compare by value, as in Flax: a restore target from
   # jax.eval_shape maps over the state, and a second one runs the same step.
   model, tx = MLP(), optax.adam(1e-2)
-  make = lambda: jaxmp.flax.TrainState.create(apply_fn=model.apply, params=model.init(
-      jax.random.key(0), jnp.ones((1, 4)))["params"], tx=tx, policy=policy)
+  make = lambda: jaxmp.flax.TrainState.create(
+      apply_fn=model.apply, params=mlp_params(), tx=tx, policy=policy)
   state, again = make(), make()
   treedefs = [jax.tree_util.tree_structure(s) for s in (state, again)]
   assert treedefs[0] == treedefs[1] and hash(treedefs[0]) == hash(treedefs[1])
@@ -109,7 +110,7 @@ def test_create_defaults():
       jaxmp.DynamicLossScale, 2.0**15)
   assert (type(bf16.loss_scale), str(bf16.policy)) == (jaxmp.NoOpLossScale, "p=f32,c=bf16,o=f32")
   # Params are cast to the param dtype at creation.
-  half = jax.tree_util.tree_map(lambda p: p.astype(F16), mlp_params())
+  half = jax.tree_util.tree_map(lambda p: jax.device_put(np.asarray(p, F16)), mlp_params())
   assert dtypes(create(params=half, policy="float32").params) == {F32}
   with pytest.raises(ValueError, match="needs a default"):
     create(policy=jaxmp.PathPolicy({"x": "f32"}, default=None))
@@ -117,15 +118,15 @@ def test_create_defaults():
 
 def test_schedule_does_not_advance_on_skipped_steps():
   schedule = optax.linear_schedule(1.0, 0.0, 10)
-  state = make_state(tx=optax.inject_hyperparams(optax.sgd)(learning_rate=schedule))
-  (x, y), step = batch(), jax.jit(train_step)
+  state = jax.jit(lambda: make_state(tx=optax.inject_hyperparams(optax.sgd)(schedule)))()
+  (x, y), step = BATCH, jax.jit(train_step)  # the state made in one program too, not op by op
   after_one = (state := step(state, x, y)[0]).opt_state.inner_state
-  state = step(state, x.at[0, 0].set(jnp.nan), y)[0]
+  state = step(state, f32(np.where(np.arange(32).reshape(8, 4) == 0, np.nan, x)), y)[0]
   chex.assert_trees_all_equal(state.opt_state.inner_state, after_one)
   assert int(state.step) == 2 and int(state.metrics["skipped_steps"]) == 1
   inner = step(state, x, y)[0].opt_state.inner_state
   # Two applied updates: the schedule is at its second value, not its third.
-  assert (int(inner.count), float(inner.hyperparams["learning_rate"])) == (2, float(schedule(1)))
+  assert (int(inner.count), float(inner.hyperparams["learning_rate"])) == (2, jax.jit(schedule)(1))
 
 
 @pytest.mark.parametrize("policy, seen", [
@@ -138,7 +139,7 @@ def test_schedule_does_not_advance_on_skipped_steps():
 def test_a_path_or_module_policy_state_keeps_the_layernorm_in_float32(policy, seen):
   """``seen``: the dtypes of the params of each layer in the loss (a
   ModulePolicy casts inside the modules)."""
-  state, (x, y), got = make_state(policy=policy), batch(), []
+  state, (x, y), got = make_state(policy=policy), BATCH, []
   step = lambda s: train_step(s, x, y, got.append)
   eqns = jax.make_jaxpr(step)(state).jaxpr.eqns
   assert got.pop() == dict(zip(("Dense_0", "LayerNorm_0", "Dense_1"), seen))
@@ -161,7 +162,7 @@ def test_apply_gradients_keeps_the_fields_dtypes_and_replaces_static_ones():
     ema: Any  # no default needed
     note: str = flax.struct.field(pytree_node=False, default="")
 
-  params = {"w": jnp.ones(2)}
+  params, half = {"w": f32(np.ones(2))}, lambda v: {"w": jax.device_put(np.full(2, v, F16))}
   state = State.create(apply_fn=None, params=params, tx=optax.sgd(0.1),
                        policy="mixed_float16", ema=params)
   assert list(State.__dataclass_fields__)[-2:] == ["ema", "note"] and state.policy == MIXED
@@ -171,45 +172,46 @@ def test_apply_gradients_keeps_the_fields_dtypes_and_replaces_static_ones():
       (state.step, state.params, state.opt_state, state.ema)))
   step = jax.jit(chex.assert_max_traces(
       lambda state, grads, ema: state.apply_gradients(grads=grads, ema=ema), n=1))
-  finite = step(state, {"w": jnp.ones(2)}, {"w": jnp.full(2, 0.5, F16)})
+  finite = step(state, params, half(0.5))
   assert finite.ema["w"].dtype == F32  # a float16 value in the field's float32
   np.testing.assert_array_equal(finite.ema["w"], [0.5, 0.5])
-  skipped = step(finite, {"w": jnp.full(2, jnp.nan, F32)}, {"w": jnp.zeros(2, F16)})
+  skipped = step(finite, nan := {"w": f32(np.full(2, np.nan))}, half(0.0))
   assert bits(skipped.ema) == bits(finite.ema)
   np.testing.assert_array_equal(skipped.params["w"], finite.params["w"])
   assert isinstance(skipped, State) and (skipped.policy, skipped.step.dtype, int(skipped.step)) == (
       MIXED, jnp.int32, 2)
-  assert finite.apply_gradients(grads={"w": jnp.ones(2)}, note="a").note == "a"
-  assert skipped.apply_gradients(grads={"w": jnp.full(2, jnp.nan)}, note="b").note == "b"
+  noted = jax.jit(lambda finite, skipped: (finite.apply_gradients(grads=params, note="a"),
+                                            skipped.apply_gradients(grads=nan, note="b")))
+  assert [s.note for s in noted(finite, skipped)] == ["a", "b"]
   with pytest.raises(TypeError, match="ema"):
     State.create(apply_fn=None, params={}, tx=optax.sgd(0.1))
 
 
 def test_create_passes_axis_name_so_replicas_skip_together():
-  state, (x, y) = make_state(tx=optax.sgd(0.1), axis_name="replicas"), batch()
-  replicated = jax.tree_util.tree_map(lambda a: jnp.stack([a, a]), state)
-  xs = jnp.stack([x, x.at[0, 0].set(jnp.inf)])  # an overflow on one replica
+  state, (x, y) = make_state(tx=optax.sgd(0.1), axis_name="replicas"), BATCH
+  replicated = jax.tree_util.tree_map(lambda a: np.stack([a, a]), state)  # NumPy: not compiled
+  xs = np.stack([x, np.where(np.arange(32).reshape(8, 4) == 0, np.inf, x)])  # an overflow on one
   # Jitted: the same program as the eager vmap, compiled once instead of op by op.
   stepped = jax.jit(jax.vmap(lambda *args: train_step(*args)[0], axis_name="replicas"))(
-      replicated, xs, jnp.stack([y, y]))
+      replicated, xs, np.stack([y, y]))
   np.testing.assert_array_equal(stepped.metrics["skipped_steps"], [1, 1])
   chex.assert_trees_all_equal(stepped.params, replicated.params)
 
 
 class _NormedMlp(nn.Module):
-  """Layers that declare float32, with a LayerNorm whose params matter."""
+  """Layers that declare float32, with a LayerNorm (the test draws its params too)."""
 
   @nn.compact
   def __call__(self, x):
-    init, f32 = nn.initializers.normal(1.0), jnp.float32
-    x = nn.LayerNorm(dtype=f32, scale_init=init, bias_init=init)(nn.Dense(16, dtype=f32)(x))
+    x = nn.LayerNorm(dtype=jnp.float32)(nn.Dense(16, dtype=jnp.float32)(x))
     return nn.Dense(4, dtype=jnp.float32)(nn.relu(x))
 
 
 def test_autocast_alone_decides_the_dtypes():
   """apply_fn casts nothing itself: jaxmp.autocast over the bare model, bit for bit."""
-  model, x = _NormedMlp(), jax.random.normal(jax.random.key(1), (8, 3))
-  params = model.init(jax.random.key(0), x)["params"]
+  model, x = _NormedMlp(), f32((rng := np.random.default_rng(1)).normal(size=(8, 3)))
+  params = jax.tree.map(lambda p: f32(rng.normal(size=p.shape)), jax.eval_shape(  # all normal
+      model.init, jax.random.key(0), x))["params"]
   state = jaxmp.flax.TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1),
                                        policy="mixed_bfloat16", autocast=True)
   loss_fn = lambda apply_fn: lambda params, x: jnp.mean(apply_fn({"params": params}, x) ** 2)

@@ -23,7 +23,7 @@ from flax import nnx
 import jaxmp
 import jaxmp.flax
 from matmul_dtypes import input_dtypes, matmul_dtypes
-from models import LinenMLP
+from models import LinenMLP, f32, like_flax_init
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 CONV, DOT = "conv_general_dilated", "dot_general"
@@ -161,6 +161,7 @@ MODELS = {"linen": {"LayerNorm": nn.LayerNorm, "Dense": nn.Dense, "Block": Linen
                   "Nested": NnxNested, "Declared": NnxDeclaredFloat32}}
 frameworks = pytest.mark.parametrize("framework", sorted(MODELS))
 X = jnp.ones((2, 3))
+TOKENS = jax.device_put(np.array([[1, 2, 3], [4, 5, 6]], np.int32))
 
 
 @frameworks
@@ -229,11 +230,6 @@ def test_layers_built_with_float32_compute_in_float16_but_a_float32_rule_holds(f
   assert traced.grads == {F32}
 
 
-@functools.cache
-def mlp_variables():
-  return jax.jit(LinenMLP().init)(jax.random.key(0), jnp.ones((2, 4)))
-
-
 class ScanCell(nn.Module):
   @nn.compact
   def __call__(self, carry, x):
@@ -257,25 +253,27 @@ def test_jit_hashable_and_str():
       "default=p=f32,c=bf16,o=f32, first_match=False, override_dtype=True)")
   assert str(jaxmp.flax.ModulePolicy({}, override_dtype=(nn.Dense,))).endswith(
       "override_dtype=(flax.linen.linear.Dense,))")
-  model, x, variables = LinenMLP(), jnp.ones((2, 4)), mlp_variables()
+  model, x = LinenMLP(), f32(np.ones((2, 4)))
+  variables = like_flax_init(jax.eval_shape(model.init, jax.random.key(0), x))  # NumPy's draws
 
   @jax.jit(static_argnums=0)
   @chex.assert_max_traces(n=1)
   def apply(policy, variables, x):
     return policy.wrap_apply(model.apply)(variables, x)
 
-  chex.assert_trees_all_equal(apply(a, variables, x), a.wrap_apply(model.apply)(variables, x))
+  # The policy applied directly; without any rule and default, wrap_apply is the identity.
+  direct, identity, plain = jax.jit(lambda v, x: [wrap(v, x) for wrap in (
+      a.wrap_apply(model.apply), jaxmp.flax.ModulePolicy({}, default=None).wrap_apply(
+          model.apply), model.apply)])(variables, x)
+  chex.assert_trees_all_equal(apply(a, variables, x), direct)
   apply(b, variables, x)  # an equal policy: no retrace
-  # Without any rule and default, wrap_apply is the identity.
-  chex.assert_trees_all_equal(jaxmp.flax.ModulePolicy({}, default=None).wrap_apply(
-      model.apply)(variables, x), model.apply(variables, x))
+  chex.assert_trees_all_equal(identity, plain)
 
 
 @functools.cache
 def declared_model():
-  model = DeclaredFloat32()
-  x = jnp.linspace(-1.0, 1.0, 2 * 5 * 5 * 3).reshape(2, 5, 5, 3)
-  return model, x, jax.jit(model.init)(jax.random.key(0), x)
+  model, x = DeclaredFloat32(), f32(np.linspace(-1.0, 1.0, 2 * 5 * 5 * 3).reshape(2, 5, 5, 3))
+  return model, x, like_flax_init(jax.eval_shape(model.init, jax.random.key(0), x))
 
 
 def test_declared_dtypes_win_unless_override_dtype_makes_every_conv_and_matmul_float16():
@@ -339,8 +337,8 @@ def test_a_declared_dtype_the_policy_does_not_override_is_reported_once_per_trac
     policy, declared, computes):
   # Overridden or reported, never silently kept: the wrapped apply sees every
   # module as it is traced, so the report costs no trace of its own.
-  model, x, traces = DeclaredHead(declared), jnp.ones((2, 3)), []
-  params = model.init(jax.random.key(0), x)["params"]
+  model, x, traces = DeclaredHead(declared), f32(np.ones((2, 3))), []
+  params = like_flax_init(jax.eval_shape(model.init, jax.random.key(0), x))["params"]
 
   def step_of(**kwargs):  # value_and_grad of a TrainState, jitted; its apply_fn
     state = jaxmp.flax.TrainState.create(
@@ -366,7 +364,7 @@ def test_a_declared_dtype_the_policy_does_not_override_is_reported_once_per_trac
       f"'head' declares dtype={declared.name}, its policy computes in {computes.name}",
       "Drop dtype=", "override_dtype=True", f"ModulePolicy({{'head': '{declared.name}'}}"))
   assert warned[0].filename == __file__  # points at the call of the model
-  # Kept on purpose by a rule, overridden, or autocast: nothing to report.
+  # Kept on purpose by a rule, overridden, or autocast: nothing to report (when traced).
   with warnings.catch_warnings():
     warnings.simplefilter("error", jaxmp.PrecisionWarning)
     for kwargs in (
@@ -374,7 +372,7 @@ def test_a_declared_dtype_the_policy_does_not_override_is_reported_once_per_trac
         {"policy": jaxmp.PathPolicy({"^head/": declared.name}, default="mixed_float16")},
         {"policy": jaxmp.flax.ModulePolicy({}, default="mixed_float16", override_dtype=True)},
         {} if isinstance(policy, jaxmp.PathPolicy) else {"policy": policy, "autocast": True}):
-      step_of(**kwargs)[0](x)
+      jax.eval_shape(step_of(**kwargs)[0], x)
 
 
 class EveryBinding(nn.Module):
@@ -410,17 +408,15 @@ class EveryCompact(nn.Module):
     return stack()(h, jnp.zeros((2,)))[0]
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def run_every_binding(policy):
-  """``(variables, output, batch_stats)`` of EveryBinding, init and apply."""
-  model, tokens = EveryBinding(), jnp.array([[1, 2, 3], [4, 5, 6]])
-  rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
-  init, apply = model.init, model.apply
+  """``(variables, output, batch_stats)`` of EveryBinding, init and apply (one program)."""
+  init, apply = EveryBinding().init, EveryBinding().apply
   if policy is not None:
     init, apply = policy.wrap_apply(init), policy.wrap_apply(apply)
-  variables = jax.jit(init)(rngs, tokens)
-  out, state = jax.jit(functools.partial(apply, mutable=["batch_stats"]))(
-      variables, tokens, rngs={"dropout": jax.random.key(2)})
-  return variables, out, state
+  variables = init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, TOKENS)
+  return variables, *apply(variables, TOKENS, rngs={"dropout": jax.random.key(2)},
+                           mutable=["batch_stats"])
 
 
 def test_a_module_given_the_policys_dtype_keeps_its_variables_and_rngs():
@@ -432,7 +428,7 @@ def test_a_module_given_the_policys_dtype_keeps_its_variables_and_rngs():
   chex.assert_trees_all_equal(ran, run_every_binding(None))
   half = jaxmp.flax.ModulePolicy({nn.LayerNorm: "p=f32,c=f32,o=bf16"}, default="mixed_bfloat16",
                                  override_dtype=True)
-  variables, tokens = ran[0], jnp.array([[1, 2, 3], [4, 5, 6]])
+  variables, tokens = ran[0], TOKENS
   apply = functools.partial(half.wrap_apply(EveryBinding().apply), mutable=["batch_stats"],
                             rngs={"dropout": jax.random.key(2)})
   assert {d for _, d in matmul_dtypes(apply, variables, tokens)} == {("bfloat16", "bfloat16")}

@@ -21,7 +21,9 @@ import models
 from matmul_dtypes import input_dtypes
 
 F16 = np.dtype(jnp.float16)
-X, Y = models.classification_batch()
+X, Y = models.f32(np.random.default_rng(0).normal(size=(8, 4))), jax.device_put(np.arange(8) % 3)
+ones = lambda *shape: np.ones(shape, np.float32)  # arguments traced only: nothing compiled
+KEY = jax.random.key(0)
 USER_CODE_MIXES = "the audited code mixes float16 and float32 on purpose"
 
 
@@ -37,8 +39,7 @@ def test_a_dot_with_its_dtypes_shapes_flops_operands_and_source():
     h = x.astype(jnp.float16) @ params["w"].astype(jnp.float16)
     return jax.lax.dot(h, params["v"], preferred_element_type=jnp.float32)
 
-  report = jaxmp.precision_report(loss, {"w": jnp.ones((3, 5)), "v": jnp.ones((5, 2))},
-                                  jnp.ones((4, 3)))
+  report = jaxmp.precision_report(loss, {"w": ones(3, 5), "v": ones(5, 2)}, ones(4, 3))
   op, mixed = report.ops
   assert op == type(op)(
       primitive="dot_general", direction="forward", lhs_dtype=F16,
@@ -62,17 +63,17 @@ def test_a_dot_with_its_dtypes_shapes_flops_operands_and_source():
   assert lines[7].split()[:9] == ["forward", "dot", "float16", "x", "float32", "float32",
                                   "[4,5]", "x", "[5,2]"]
   assert lines[7].rstrip().endswith(mixed.source) and " mixed " in lines[7]
-  empty = jaxmp.precision_report(jnp.tanh, jnp.ones(3))
+  empty = jaxmp.precision_report(jnp.tanh, ones(3))
   assert empty.ops == () and "nothing to report" in str(empty)
 
   def power(a):  # JAX's own jit: the lines of its matmuls are JAX's, the source is the call
     return jnp.linalg.matrix_power(a, 3)
 
-  ops = jaxmp.precision_report(power, jnp.ones((4, 4))).ops
+  ops = jaxmp.precision_report(power, ones(4, 4)).ops
   assert len(ops) == 2 and all(at_line(op.source, power) for op in ops)
   # Called directly, no line of the user's (nor of jaxmp's) is the source.
   assert {op.source for op in jaxmp.precision_report(
-      jnp.linalg.matrix_power, jnp.ones((4, 4)), 3).ops} == {""}
+      jnp.linalg.matrix_power, ones(4, 4), 3).ops} == {""}
   # An einsum with batch dimensions (2 * batch * M * N * K), of abstract values and a
   # static flag, which stays a Python value: nothing runs.
   einsum = lambda a, b, *, t: jnp.einsum("bji,bjk->bik" if t else "bij,bjk->bik", a, b)
@@ -91,8 +92,8 @@ def test_convolutions_scans_loops_and_shard_map_count_their_flops():
     y = conv(x, k, (1, 1), "SAME")
     return y, conv(x, k, (2, 2), "VALID"), conv(y, grouped, (1, 1), "SAME", feature_group_count=2)
 
-  grouped = jnp.ones((3, 3, 2, 6))  # 4 input features in 2 groups of 2
-  ops = jaxmp.precision_report(convs, jnp.ones((2, 8, 8, 3)), jnp.ones((3, 3, 3, 4)), grouped).ops
+  grouped = ones(3, 3, 2, 6)  # 4 input features in 2 groups of 2
+  ops = jaxmp.precision_report(convs, ones(2, 8, 8, 3), ones(3, 3, 3, 4), grouped).ops
   assert [(op.primitive, op.out_shape, op.flops) for op in ops] == [
       ("conv_general_dilated", (2, 8, 8, 4), 2 * (2 * 8 * 8 * 4) * 3 * 9),
       ("conv_general_dilated", (2, 3, 3, 4), 2 * (2 * 3 * 3 * 4) * 3 * 9),
@@ -100,7 +101,7 @@ def test_convolutions_scans_loops_and_shard_map_count_their_flops():
   assert ops[2].operands == ("", "grouped")
   # A scan over layers counts every iteration.
   stack = lambda weights, x: jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, weights)[0]
-  report = jaxmp.precision_report(stack, jnp.ones((3, 4, 4)), jnp.ones((2, 4)))
+  report = jaxmp.precision_report(stack, ones(3, 4, 4), ones(2, 4))
   op, = report.ops
   assert (op.repeats, op.flops, op.rhs_shape, op.operands) == (
       3, 3 * (2 * 2 * 4 * 4), (4, 4), ("x", "weights"))
@@ -110,19 +111,19 @@ def test_convolutions_scans_loops_and_shard_map_count_their_flops():
     y = jax.lax.cond(jnp.sum(x) > 0, lambda y: y @ w, lambda y: y + 1, x)
     return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] @ w), (0, y))[1]
 
-  report = jaxmp.precision_report(jax.jit(fn), jnp.ones((4, 4)), jnp.ones((2, 4)))
+  report = jaxmp.precision_report(jax.jit(fn), ones(4, 4), ones(2, 4))
   assert [(op.repeats, op.flops, op.operands[1]) for op in report.ops] == [(1, 64, "w")] * 2
   # shard_map counts every device: the FLOPs of the whole product.
   shards = len(jax.devices())
   fn = jax.shard_map(lambda a, b: a @ b, mesh=Mesh(np.array(jax.devices()), ("d",)),
                      in_specs=(PartitionSpec("d"), PartitionSpec()), out_specs=PartitionSpec("d"))
-  op, = jaxmp.precision_report(fn, jnp.ones((2 * shards, 3)), jnp.ones((3, 5))).ops
+  op, = jaxmp.precision_report(fn, ones(2 * shards, 3), ones(3, 5)).ops
   assert (op.repeats, op.lhs_shape, op.flops) == (shards, (2, 3), 2 * (2 * shards) * 5 * 3)
 
 
 def test_gradients_remat_and_a_custom_vjp_label_their_passes():
   block = jax.checkpoint(lambda w, x: jnp.tanh(jnp.tanh(x @ w) @ w))
-  w, x = jnp.ones((4, 4)), jnp.ones((2, 4))
+  w, x = ones(4, 4), ones(2, 4)
   report = jaxmp.precision_report(jax.grad(lambda w, x: jnp.sum(block(w, x))), w, x)
   assert [op.direction for op in report.ops] == (
       ["forward"] * 2 + ["recompute"] * 2 + ["backward"] * 3)
@@ -149,7 +150,7 @@ def test_gradients_remat_and_a_custom_vjp_label_their_passes():
 
 def train_state(model, policy="mixed_float16", *inputs):
   """A TrainState of ``model``, initialised on ``inputs`` (by default ``X``)."""
-  params = jax.jit(model.init)(jax.random.key(0), *(inputs or (X,)))["params"]
+  params = models.like_flax_init(jax.eval_shape(model.init, KEY, *(inputs or (X,))))["params"]
   return jaxmp.flax.TrainState.create(
       apply_fn=model.apply, params=params, tx=optax.sgd(0.1), policy=policy)
 
@@ -201,7 +202,7 @@ def linen_mlp(dtype, policy, how):
 def wmt_style():
   """As in Flax's WMT example: the state holds the evaluation model, and the loss
   calls the training one, capturing the tokens and the dropout key."""
-  tokens, key = jnp.array([[1, 2, 3, 0], [4, 5, 0, 0]]), jax.random.key(1)
+  tokens, key = jax.device_put(np.array([[1, 2, 3, 0], [4, 5, 0, 0]], np.int32)), jax.random.key(1)
   state = train_state(Translator(deterministic=True), "mixed_bfloat16", tokens)
   return state, make_step(lambda variables, tokens: Translator().apply(
       variables, tokens, rngs={"dropout": key}), captured=(tokens, tokens))
@@ -329,12 +330,12 @@ def test_a_correct_model_or_float32_by_a_rule_does_not_warn_nor_retrace_nor_tran
 
 @pytest.mark.parametrize("audit", [False, True])
 def test_the_audit_is_opt_in_and_its_trace_the_only_extra_one(audit):
-  state = train_state(models.LinenMLP(dtype=jnp.float32), "mixed_bfloat16")
-  traces = []
+  state = train_state(nn.Dense(3, dtype=jnp.float32), "mixed_bfloat16")  # few ops, op by op
+  traces, (x4, y4) = [], jax.device_put((np.asarray(X)[:4], np.asarray(Y)[:4]))
 
   def loss_fn(params, x, y):
     traces.append(x.shape)
-    return cross_entropy(state.apply_fn({"params": params}, x), y)
+    return jnp.mean(state.apply_fn({"params": params}, x) ** 2)
 
   grad_fn = state.value_and_grad(loss_fn, audit=audit)
   with warnings.catch_warnings(record=True) as record:
@@ -342,8 +343,8 @@ def test_the_audit_is_opt_in_and_its_trace_the_only_extra_one(audit):
     grad_fn(state.params, X, Y)  # outside jit, traced at each call
     grad_fn(state.params, X, Y)  # the same signature: no new audit
     jitted = jax.jit(grad_fn)
-    jitted(state.params, X[:4], Y[:4])  # a new signature: audited once more
-    jitted(state.params, X[:4], Y[:4])  # no new trace: no new check
+    jitted(state.params, x4, y4)  # a new signature: audited once more
+    jitted(state.params, x4, y4)  # no new trace: no new check
     jitted(state.params, X, Y)  # traced again, but audited already
   assert traces == [(8, 4)] * (2 + audit) + [(4, 4)] * (1 + audit) + [(8, 4)]
   texts = [str(w.message) for w in record if "audit=True" in str(w.message)]
@@ -369,9 +370,9 @@ class CustomDense(nnx.Module):  # a layer of one's own, with no dtype attribute
 
 def test_precision_report_reads_an_nnx_model():
   # NNX has no policy object to warn from: the report is the audit there.
-  rngs = nnx.Rngs(0)
-  model = nnx.Sequential(nnx.Linear(4, 8, rngs=rngs), nnx.relu, nnx.BatchNorm(8, rngs=rngs),
-                         CustomDense(8, 64, rngs))
+  model = nnx.eval_shape(lambda rngs: nnx.Sequential(  # abstract: the report only traces
+      nnx.Linear(4, 8, rngs=rngs), nnx.relu, nnx.BatchNorm(8, rngs=rngs), CustomDense(8, 64, rngs)),
+      nnx.Rngs(0))
   jaxmp.flax.ModulePolicy(default="mixed_float16").set_nnx_dtypes(model)
   with jax.numpy_dtype_promotion("standard"):  # the custom layer mixes dtypes
     report = jaxmp.precision_report(
