@@ -59,14 +59,22 @@ def _bits(tree):
   return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
 
 
+@functools.cache
+def _optimizer(name):
+  """The optimizer and its update jitted, built once: the selects' rows share its program."""
+  tx = OPTIMIZERS[name]()
+  return tx, default_jit(tx.update)
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("select", ["in place", "plain", "eager"])
 def test_finite_and_skipped_steps(name, select, monkeypatch):
-  """Either select, jitted, steps bit for bit as the jitted plain update."""
+  """Either select, jitted or not, steps bit for bit as the plain update."""
   monkeypatch.setenv("JAXMP_INPLACE_SELECT", "0" if select == "plain" else "1")
-  tx = OPTIMIZERS[name]()
-  run = (lambda f: f) if select == "eager" else default_jit
-  update, fold = run(tx.update), run(functools.partial(update_or_keep, tx.update))
+  tx, update = _optimizer(name)  # the fold traced afresh: the switch is read when it traces
+  update = tx.update if select == "eager" else update
+  fold = functools.partial(update_or_keep, tx.update)
+  fold = fold if select == "eager" else default_jit(fold)
   _, state = update(GRADS, tx.init(PARAMS), PARAMS)  # non-trivial moments, counters
   assert _bits(fold(jnp.array(True), GRADS, state, PARAMS)) == _bits(update(GRADS, state, PARAMS))
   bad = jax.tree_util.tree_map(lambda g: g.at[0].set(jnp.inf), GRADS)
@@ -125,12 +133,13 @@ def test_the_switch_selects_the_select(monkeypatch):
 
 
 def test_the_switch_and_the_backend_choose_the_check(monkeypatch):
-  leaves = [jnp.ones((40, 50)), jnp.ones((40, 50)), jnp.ones(500)]
-  decisions = [  # (tree, finite): every form must decide alike
-      (leaves, True), ({}, True),
-      ({"w": leaves[0].at[3, 4].set(jnp.inf), "n": jnp.arange(3)}, False),
-      ({"w": leaves[2].at[7].set(jnp.nan), "z": jnp.zeros((0, 2))}, False),
-      ({"c": jnp.array([1.0 + 2.0j, 1j * jnp.inf], jnp.complex64)}, False)]
+  ones = lambda *shape: np.ones(shape, np.float32)  # the trees set up in NumPy
+  (w := ones(40, 50))[3, 4], (v := ones(500))[7] = np.inf, np.nan
+  decisions = list(zip(jax.device_put([  # (tree, finite): every form must decide alike
+      [ones(40, 50), ones(40, 50), ones(500)], {}, {"w": w, "n": np.arange(3, dtype=np.int32)},
+      {"w": v, "z": np.zeros((0, 2), np.float32)},
+      {"c": np.array([1.0 + 2.0j, 1j * np.inf], np.complex64)}]), [True] * 2 + [False] * 3))
+  leaves = decisions[0][0]
   traced = []  # each check traced afresh, its function kept alive
 
   def form():
@@ -161,11 +170,11 @@ def _zero_style_step(name, mesh, guarded=True):
   the optimizer state (ZeRO-style); guarded, the devices agree on skipping."""
   tx = SWITCH_OPTIMIZERS[name]()
   tx = jaxmp.loss_scaling(tx, jaxmp.DynamicLossScale(2.0**4), axis_name="d") if guarded else tx
-  params = {"w": jnp.linspace(-1.0, 1.0, 64 * 32).reshape(64, 32),
-            "b": jnp.linspace(0.5, -0.5, 64)}
+  params = {"w": np.linspace(-1.0, 1.0, 64 * 32, dtype=np.float32).reshape(64, 32),
+            "b": np.linspace(0.5, -0.5, 64, dtype=np.float32)}
   # On the mesh already: the calls run the program measured here, not another.
-  params, state = jax.tree_util.tree_map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(
-      mesh, P("d") if jnp.ndim(x) else P())), (params, tx.init(params)))
+  params, state = jax.tree_util.tree_map(lambda x: jax.device_put(np.asarray(x), (
+      jax.sharding.NamedSharding(mesh, P("d") if jnp.ndim(x) else P()))), (params, tx.init(params)))
   sharded = lambda tree: jax.tree_util.tree_map(lambda x: x.sharding.spec, tree)
 
   def body(params, state, poison):
