@@ -17,15 +17,13 @@ from flax import nnx
 
 import jaxmp
 import jaxmp.flax
-from models import LinenBatchNormMLP, NnxBatchNormMLP, classification_batch
+from models import LinenBatchNormMLP, NnxBatchNormMLP, f32
 
 F16 = jnp.float16
 # The fp16 backward pass computes scale * x * cos(w): with x = 6 it is over
 # 65504 at 2**15 and 2**14, not at 2**13; with x = 0.6 it is finite at 2**15.
-W = jnp.linspace(0.0, 0.5, 8, dtype=jnp.float32)
-OVERFLOWS = jnp.full(8, 6.0)
-FINITE = jnp.full(8, 0.6)
-NAN = FINITE.at[3].set(jnp.nan)
+W, OVERFLOWS, FINITE = f32(np.linspace(0.0, 0.5, 8)), f32(np.full(8, 6.0)), f32(np.full(8, 0.6))
+NAN = f32(np.where(np.arange(8) == 3, np.nan, 0.6))
 KEY = jax.random.key(0)
 float16_loss = lambda w, x: jnp.sum(jnp.sin(w.astype(F16)) * x.astype(F16)).astype(jnp.float32)
 float32_loss = lambda w, x: jnp.sum(jnp.sin(w) * x)
@@ -77,8 +75,8 @@ class Linen:
   """A TrainState whose loss draws a dropout-like mask from ``state.step``."""
   jit = staticmethod(jax.jit)
 
-  def init(self, loss_scale, tx=lambda loss_scale: optax.inject_hyperparams(optax.adam)(
-      learning_rate=schedule)):  # create wraps tx: the schedule's count sits inside
+  def init(self, loss_scale, tx=lambda _, tx=optax.inject_hyperparams(optax.adam)(
+      learning_rate=schedule): tx):  # create wraps tx, built once: equal configs, one trace
     return StatsState.create(apply_fn=None, params={"w": W}, tx=tx(loss_scale),
                              policy="float32", loss_scale=loss_scale, stats=jnp.zeros(8))
 
@@ -103,7 +101,7 @@ class Nnx:
   """A model and its nnx.Optimizer, the step on the objects themselves."""
   jit = staticmethod(nnx.jit)
 
-  def init(self, loss_scale, tx=optimizer):
+  def init(self, loss_scale, tx=functools.cache(optimizer)):  # equal configs: one trace
     model = Model()
     return model, nnx.Optimizer(model, tx(loss_scale), wrt=nnx.Param)
 
@@ -119,7 +117,7 @@ class Nnx:
       return objects, loss
     return step
 
-  arrays = staticmethod(lambda objects: jax.tree_util.tree_map(jnp.array, nnx.state(objects)))
+  arrays = staticmethod(lambda objects: jax.tree_util.tree_map(np.array, nnx.state(objects)))
 
 
 FRAMEWORKS = {"optax": Functional(W, lambda w: w, jax.value_and_grad, jax.jit,
@@ -164,8 +162,8 @@ dyn, three = jaxmp.DynamicLossScale, dict(max_retries=3, fallback=float32_loss)
 RETRIES = {  # case: the loss scale, x, options; (retries, fell back, finite, the last
     # attempt's scale); the plain step that leaves the same state (its scale and
     # loss); the recovery counters. The cases with a fallback share one step (`three`).
-    "finite": (dyn(2.0**10), FINITE, three, (0, False, True, 2.0**10),
-               (dyn(2.0**10), float16_loss), {}),
+    "finite": (dyn(2.0**15), FINITE, three, (0, False, True, 2.0**15),
+               (dyn(2.0**15), float16_loss), {}),
     "recovered": (dyn(2.0**15), OVERFLOWS, {}, (2, False, True, 2.0**13),
                   (dyn(2.0**13), float16_loss), {"recovered_steps": 1}),
     # The fallback runs once, after the retries (all three overflow): one back-off lower.
@@ -218,7 +216,7 @@ def test_a_skipped_step_changes_no_array_and_a_finite_step_moves_every_one(name)
   fw = FRAMEWORKS[name]
   state = fw.init(jaxmp.DynamicLossScale(2.0**8, hysteresis=2, consecutive_hysteresis=True))
   step = fw.jit(chex.assert_max_traces(fw.step(float16_loss), n=1))
-  nan = jnp.full(8, jnp.nan)  # whatever Linen's dropout-like mask keeps
+  nan = f32(np.full(8, np.nan))  # whatever Linen's dropout-like mask keeps
   inputs = [FINITE, nan, FINITE, nan, FINITE, nan, nan, FINITE]
   trajectory = []  # (hysteresis left, loss scale)
   for x in inputs:
@@ -367,16 +365,19 @@ def test_a_skipped_step_keeps_the_batch_statistics_bit_identical_and_a_finite_on
     framework):
   """Jitted and traced once (eagerly the same jnp.where runs, op by op: a TrainState
   field kept eagerly, test_flax_train_state.py)."""
-  fw = BATCH_NORMS[framework]
-  x, y = classification_batch()
+  fw, finite = BATCH_NORMS[framework], lambda tree: all(
+      np.isfinite(leaf).all() for leaf in jax.tree_util.tree_leaves(tree))  # in NumPy
+  x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+  (bad := x.copy())[0, 0] = np.inf
+  x, bad, y = jax.device_put((x, bad, np.arange(8, dtype=np.int32) % 3))
   state, _ = fw.step(fw.init(), x, y)
   params_before, stats_before = fw.params_and_stats(state)
   # One inf pixel: the statistics the forward pass computes are poisoned, the step skipped.
-  state, poisoned = fw.step(state, x.at[0, 0].set(jnp.inf), y)
-  assert not jaxmp.all_finite(poisoned)
+  state, poisoned = fw.step(state, bad, y)
+  assert not finite(poisoned)
   assert metrics(state)["skipped_steps"] == 1 and fw.steps(state) == 2
   assert bits(fw.params_and_stats(state)) == bits((params_before, stats_before))
-  assert jaxmp.all_finite(fw.evaluate(state, x))
+  assert finite(fw.evaluate(state, x))
   # A finite step writes exactly the statistics computed and moves every parameter.
   state, computed = fw.step(state, x, y)
   params, stats = fw.params_and_stats(state)
@@ -393,8 +394,8 @@ def test_eight_devices_agree_on_each_retry_under_sharded_jit_and_shard_map():
   the step's aux is each device's own loss."""
   mesh = jax.make_mesh((8,), ("batch",))
   rows = jax.sharding.NamedSharding(mesh, P("batch"))
-  x = jax.device_put(jnp.broadcast_to(FINITE, (8, 8)).at[5].set(OVERFLOWS), rows)
-  w = jax.device_put(jnp.broadcast_to(W, (8, 8)), rows)
+  x = jax.device_put(np.where(np.arange(8)[:, None] == 5, OVERFLOWS, FINITE), rows)
+  w = jax.device_put(np.broadcast_to(W, (8, 8)), rows)
   tx = lambda loss_scale: jaxmp.loss_scaling(optax.adam(1e-2), loss_scale)
   state = lambda scale: ((w, jnp.zeros_like(w)), tx(jaxmp.DynamicLossScale(scale)).init(w))
   step = FRAMEWORKS["optax"].step(float16_loss, tx)
