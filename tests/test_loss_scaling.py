@@ -1,6 +1,5 @@
 """Tests of the optax wrapper loss_scaling, its state lookup, metrics and checks."""
 
-import functools
 import itertools
 import re
 import warnings
@@ -37,8 +36,7 @@ class LossScalingTest(chex.TestCase):
   @chex.variants(with_jit=True, without_jit=True)
   def test_non_finite_step_is_skipped_bit_identically(self):
     """After a finite step, which is the bare optimizer's on the unscaled grads."""
-    # Drawn in NumPy, four leaves of one shape: op by op, each primitive compiles once.
-    rng = np.random.default_rng(1)
+    rng = np.random.default_rng(1)  # in NumPy, four leaves of one shape: each op compiles once
     params, grads = ({k: rng.normal(size=3).astype(np.float32) for k in "abcd"} for _ in "pg")
     params["b"][0] = -0.0  # a signed zero too
     params, grads = jax.device_put((params, grads))
@@ -112,8 +110,7 @@ def test_wrapper_skips_for_every_kind_of_loss_scale():
     assert int(state.skipped_steps) == 1 and bool(state.last_finite)
 
 
-@pytest.mark.parametrize("wrap", [
-    jaxmp.loss_scaling, lambda tx, ls: jaxmp.multi_steps(tx, ls, 4)],
+@pytest.mark.parametrize("wrap", [jaxmp.loss_scaling, lambda tx, ls: jaxmp.multi_steps(tx, ls, 4)],
     ids=["loss_scaling", "multi_steps"])
 def test_equal_arguments_give_equal_transformations(wrap):
   # As Flax compares a TrainState's tx: one structure, however often it is built.
@@ -140,8 +137,7 @@ def test_the_inner_optimizer_gets_unscaled_gradients_in_the_params_dtype_and_ext
     return jax.tree_util.tree_map(lambda g: -loss * g, grads), state
 
   inner = optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
-  params = {k: np.ones(2, dtype) for k, dtype in [
-      ("f16", jnp.float16), ("bf16", jnp.bfloat16), ("f32", jnp.float32)]}
+  params = {"f16": np.ones(2, np.float16), "bf16": np.ones(2, jnp.bfloat16), "f32": f32(np.ones(2))}
   tx = jaxmp.loss_scaling(inner, jaxmp.StaticLossScale(2.0**10))
   grads = jax.tree_util.tree_map(lambda p: np.full(2, 3 * 2.0**10, p.dtype), params)
   updates, _ = jax.jit(lambda g, s, p: tx.update(g, s, p, loss=0.5))(grads, tx.init(params), params)
@@ -205,8 +201,7 @@ CHAIN, WRAPPER = "inside optax.chain, next to other transformations", (
     (lambda tx: optax.chain(tx, optax.add_decayed_weights(1e-4)), "[0]", CHAIN),
     (lambda tx: optax.named_chain(("clip", optax.clip_by_global_norm(1.0)), ("scaled", tx)),
      "['scaled']", "inside optax.named_chain, next to other transformations"),
-    (lambda tx: optax.masked(tx, {"w": True}), "MaskedState.inner_state",
-     WRAPPER % "MaskedState"),
+    (lambda tx: optax.masked(tx, {"w": True}), "MaskedState.inner_state", WRAPPER % "MaskedState"),
     (lambda tx: optax.apply_if_finite(tx, 3), "ApplyIfFiniteState.inner_state",
      WRAPPER % "ApplyIfFiniteState"),
     (lambda tx: optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0), tx), 2),
@@ -283,8 +278,7 @@ def test_check_loss_scale_raises_only_after_an_overflow_at_the_minimum():
   jaxmp.check_loss_scale(states, max_overflows_at_min=2)
   for sources, tolerated, raised in (
       ((state, jaxmp.get_loss_scale(state), jaxmp.loss_scaling_metrics(state)), 0, ""),
-      ((states, metrics, jaxmp.get_loss_scale(states)), 1,
-       " (member 2 of the 4 stacked states)")):
+      ((states, metrics, jaxmp.get_loss_scale(states)), 1, " (member 2 of the 4 stacked states)")):
     for source in sources:  # the remedies that follow: test_faults.py
       with pytest.raises(jaxmp.LossScaleAtMinimumError) as info:
         jaxmp.check_loss_scale(source, max_overflows_at_min=tolerated)
@@ -329,9 +323,8 @@ def _equinox_case():  # a module that holds functions, through eqx.filter_jit
 def _nnx_case():
   policy, model = jaxmp.get_policy("mixed_float16"), nnx.jit(lambda: NnxMLP(nnx.Rngs(0)))()
   jaxmp.flax.ModulePolicy({nnx.LayerNorm: "float32"}, default=policy).set_nnx_dtypes(model)
-  return model, f32(np.random.default_rng(0).normal(size=(8, 4))), lambda m, x: jnp.mean(
-      policy.cast_to_output(m(policy.cast_to_compute(x))) ** 2), nnx.value_and_grad, nnx.jit, (
-          nnx.to_pure_dict)
+  return model, make_batch(0)["x"], lambda m, x: jnp.mean(policy.cast_to_output(
+      m(policy.cast_to_compute(x))) ** 2), nnx.value_and_grad, nnx.jit, nnx.to_pure_dict
 
 
 @pytest.mark.parametrize("framework", [_nnx_case, _equinox_case], ids=["nnx", "equinox"])
@@ -351,9 +344,8 @@ def test_scaled_value_and_grad_takes_each_frameworks_value_and_grad(framework):
 
 
 DECISIONS = [  # (case, gradients, finite): every form of the check must decide alike
-    (f"{dtype.__name__}-{name}-{shape}", {"g": jax.device_put(np.where(
-        (np.arange(1000) == 3) | (shape == "many"), np.array(value, dtype), np.ones(1000, dtype))),
-                                          "other": jnp.full(3, 2.0)},
+    (f"{dtype.__name__}-{name}-{shape}", {"other": jnp.full(3, 2.0), "g": jax.device_put(np.where(
+        (np.arange(1000) == 3) | (shape == "many"), np.array(value, dtype), np.ones(1000, dtype)))},
      name in ("finite", "huge", "subnormal"))
     for dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
     for name, value in (("finite", 1.5), ("inf", np.inf), ("-inf", -np.inf), ("nan", np.nan),
@@ -363,8 +355,7 @@ DECISIONS = [  # (case, gradients, finite): every form of the check must decide 
 
 
 def _forms_of_the_check(grads):
-  """Each form's flag on ``grads``: the update's without and with clipping, multi_steps' on
-  one micro-batch or it and zeros."""
+  """Each form's flag: the update's with and without clipping, multi_steps' on 1 or 2 batches."""
   zeros, flags = jax.tree_util.tree_map(jnp.zeros_like, grads), {}
   for k, clip in itertools.product((0, 1, 2), (None, 1.0)):
     tx = jaxmp.multi_steps(optax.sgd(1.0), jaxmp.NoOpLossScale(), k, clip_global_norm=clip) if (
@@ -376,9 +367,8 @@ def _forms_of_the_check(grads):
   return flags
 
 
-# All the forms jitted in one program (compiled once a dtype), as independent computations.
-JITTED_FORMS = jax.jit(lambda grads: {"all_finite": jaxmp.all_finite(grads),
-                                      **_forms_of_the_check(grads)})
+JITTED_FORMS = jax.jit(lambda grads: {  # all, independent, in one program compiled once a dtype
+    "all_finite": jaxmp.all_finite(grads), **_forms_of_the_check(grads)})
 
 
 @pytest.mark.parametrize("case,grads,expected", DECISIONS, ids=[c[0] for c in DECISIONS])
@@ -398,8 +388,7 @@ _norm = lambda tree: float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64
 
 def test_clip_global_norm_clips_as_optax_does():
   params = mlp_params(64, 300, 10)
-  # The scaled gradients (exact: a power of two) in NumPy.
-  scaled = lambda grads: jax.tree_util.tree_map(lambda g: g * np.float32(2.0**10), grads)
+  scaled = lambda grads: jax.tree_util.tree_map(lambda g: g * np.float32(2.0**10), grads)  # exact
   grads = jax.tree_util.tree_map(lambda p: np.full(p.shape, 3.0, np.float32), params)
   scale = jaxmp.StaticLossScale(2.0**10)
   chained = jaxmp.loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0)), scale)

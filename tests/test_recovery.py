@@ -32,6 +32,9 @@ new_stats = lambda stats, x: 0.5 * (stats + x)  # state the optimizer does not o
 optimizer = lambda loss_scale: optax.inject_hyperparams(  # adam in loss_scaling, scheduled
     lambda learning_rate: jaxmp.loss_scaling(optax.adam(learning_rate), loss_scale))(
         learning_rate=schedule)
+# Built once: equal loss scales, equal optimizers, one trace (NNX; Linen, which create wraps).
+nnx_optimizer, linen_tx = functools.cache(optimizer), optax.inject_hyperparams(optax.adam)(
+    learning_rate=schedule)
 
 
 # One train step, four frameworks: ``init(loss_scale, tx)`` and ``step(loss_fn,
@@ -75,8 +78,7 @@ class Linen:
   """A TrainState whose loss draws a dropout-like mask from ``state.step``."""
   jit = staticmethod(jax.jit)
 
-  def init(self, loss_scale, tx=lambda _, tx=optax.inject_hyperparams(optax.adam)(
-      learning_rate=schedule): tx):  # create wraps tx, built once: equal configs, one trace
+  def init(self, loss_scale, tx=lambda _: linen_tx):
     return StatsState.create(apply_fn=None, params={"w": W}, tx=tx(loss_scale),
                              policy="float32", loss_scale=loss_scale, stats=jnp.zeros(8))
 
@@ -101,7 +103,7 @@ class Nnx:
   """A model and its nnx.Optimizer, the step on the objects themselves."""
   jit = staticmethod(nnx.jit)
 
-  def init(self, loss_scale, tx=functools.cache(optimizer)):  # equal configs: one trace
+  def init(self, loss_scale, tx=nnx_optimizer):
     model = Model()
     return model, nnx.Optimizer(model, tx(loss_scale), wrt=nnx.Param)
 
@@ -295,8 +297,7 @@ class LinenBatchNorm:
   def init(self):
     model = LinenBatchNormMLP()
     variables = jax.jit(model.init, static_argnames="train")(KEY, jnp.ones((1, 4)), train=False)
-    return StatsState.create(
-        apply_fn=model.apply, params=variables["params"], tx=optax.adam(1e-2),
+    return StatsState.create(apply_fn=model.apply, params=variables["params"], tx=optax.adam(1e-2),
         policy="mixed_float16", loss_scale=jaxmp.DynamicLossScale(2.0**8),
         stats=variables["batch_stats"])
 
@@ -333,8 +334,7 @@ class NnxBatchNorm:
   def step(objects, x, y):
     model, optimizer = objects
     old = jax.tree_util.tree_map(lambda v: v, nnx.state(model, nnx.BatchStat))
-    _, grads = jaxmp.scaled_value_and_grad(
-        lambda model: cross_entropy(model(x.astype(F16)), y),
+    _, grads = jaxmp.scaled_value_and_grad(lambda model: cross_entropy(model(x.astype(F16)), y),
         jaxmp.get_loss_scale(optimizer.opt_state), value_and_grad=nnx.value_and_grad)(model)
     optimizer.update(model, grads)
     computed = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
@@ -358,6 +358,7 @@ BATCH_NORMS = {"linen": LinenBatchNorm(), "nnx": NnxBatchNorm()}
 
 bits = lambda tree: {jax.tree_util.keystr(path): (np.asarray(x).dtype, np.asarray(x).tobytes())
                      for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+finite = lambda tree: all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(tree))  # NumPy
 
 
 @pytest.mark.parametrize("framework", sorted(BATCH_NORMS))
@@ -365,11 +366,9 @@ def test_a_skipped_step_keeps_the_batch_statistics_bit_identical_and_a_finite_on
     framework):
   """Jitted and traced once (eagerly the same jnp.where runs, op by op: a TrainState
   field kept eagerly, test_flax_train_state.py)."""
-  fw, finite = BATCH_NORMS[framework], lambda tree: all(
-      np.isfinite(leaf).all() for leaf in jax.tree_util.tree_leaves(tree))  # in NumPy
-  x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+  fw = BATCH_NORMS[framework]
+  x, y = np.float32(np.random.default_rng(0).normal(size=(8, 4))), np.int32(np.arange(8) % 3)
   (bad := x.copy())[0, 0] = np.inf
-  x, bad, y = jax.device_put((x, bad, np.arange(8, dtype=np.int32) % 3))
   state, _ = fw.step(fw.init(), x, y)
   params_before, stats_before = fw.params_and_stats(state)
   # One inf pixel: the statistics the forward pass computes are poisoned, the step skipped.
