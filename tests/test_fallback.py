@@ -16,6 +16,7 @@ import sys
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -23,10 +24,10 @@ from flax import nnx
 import jaxmp
 import jaxmp.flax
 from matmul_dtypes import matmul_dtypes
-from models import bits
+from models import bits, f32, like_flax_init
 
 LADDER = ("mixed_float16", "float32")
-X = jnp.ones((4, 2))
+X = f32(np.ones((4, 2)))
 
 # A plain optax loop holds (params, opt_state); a TrainState, its policy; an
 # nnx.Optimizer is switched in place with its model (None but for NNX).
@@ -42,8 +43,8 @@ class NnxHead(nnx.Module):
   def __call__(self, x):
     return self.head(self.body(x))
 
-
 SCALE = jaxmp.DynamicLossScale(4.0, min_loss_scale=1.0)
+nnx_head = nnx.jit(NnxHead)  # one compile a configuration, not op by op
 
 
 def _run(framework, loss_scale=None, model=None, x=X, loss=None, learning_rate=1e-2):
@@ -53,7 +54,7 @@ def _run(framework, loss_scale=None, model=None, x=X, loss=None, learning_rate=1
   inputs) is initialized on ``x``; ``loss`` of its output, default the mean square."""
   traces, loss = [], loss or (lambda out: jnp.mean(out.astype(jnp.float32) ** 2))
   if framework == "nnx":
-    model = model or NnxHead(nnx.Rngs(0))
+    model = model or nnx_head(nnx.Rngs(0))
     jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
 
     @nnx.jit
@@ -68,8 +69,9 @@ def _run(framework, loss_scale=None, model=None, x=X, loss=None, learning_rate=1
     optimizer = nnx.Optimizer(model, jaxmp.loss_scaling(
         optax.adam(learning_rate), loss_scale or SCALE), wrt=nnx.Param)
     return optimizer, model, lambda o, x, _: (o, nnx_step(model, o, x)), traces
+  init = lambda: (model or nn.Dense(3)).init(jax.random.key(0), x)["params"]  # Dense: in NumPy
+  params = like_flax_init(jax.eval_shape(init)) if model is None else jax.jit(init)()
   model = model or nn.Dense(3)
-  params = jax.jit(model.init)(jax.random.key(0), x)["params"]
   if framework == "train_state":
     state = jaxmp.flax.TrainState.create(
         apply_fn=model.apply, params=params, tx=optax.adam(learning_rate),
@@ -115,7 +117,7 @@ def _kept(target, model):
   """What a switch keeps bit-identical: the params, inner optimizer state, step."""
   params = (nnx.state(model, nnx.Param) if model is not None
             else target[0] if isinstance(target, tuple) else target.params)
-  return jax.tree_util.tree_map(jnp.copy, (
+  return jax.tree_util.tree_map(np.array, (
       params, _opt_state(target).inner_state, getattr(target, "step", None)))
 
 
@@ -195,11 +197,11 @@ def test_switching_an_nnx_optimizer_needs_no_import_of_jaxmp_flax():
 
 def test_the_controller_switches_on_overflows_at_the_minimum_scale(caplog):
   tx = jaxmp.loss_scaling(optax.sgd(0.1), SCALE)
-  params, fallback, policies = {"w": jnp.ones(2)}, jaxmp.PrecisionFallback(LADDER, every=1), []
-  opt_state = tx.init(params)
+  params, fallback, policies = {"w": f32(np.ones(2))}, jaxmp.PrecisionFallback(LADDER, every=1), []
+  opt_state, update = tx.init(params), jax.jit(tx.update)  # one program a loss scale's kind
   with caplog.at_level(logging.WARNING, logger="jaxmp"):
     for step in range(1, 7):
-      _, opt_state = tx.update({"w": jnp.full(2, jnp.inf)}, opt_state, params)
+      _, opt_state = update({"w": f32(np.full(2, np.inf))}, opt_state, params)
       returned, policy = fallback.update(opt_state, step=step)
       assert (returned is opt_state) == (step != 3)  # a run not switched: as it is
       opt_state = returned
@@ -234,13 +236,13 @@ def test_check_reads_every_n_steps_tolerates_overflows_and_answers_the_next_rung
 def test_the_overflow_rate_is_measured_over_a_whole_window_of_the_current_policy():
   # A static scale never reaches a floor: only the rate says float16 fails.
   tx, params = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.StaticLossScale(2.0**10)), {
-      "w": jnp.ones(2)}
-  opt_state = tx.init(params)
+      "w": f32(np.ones(2))}
+  opt_state, update = tx.init(params), jax.jit(tx.update)
   fallback = jaxmp.PrecisionFallback(("mixed_float16", "p=f32,c=f16,o=f16", "float32"),
                                      every=2, window=8, max_overflow_rate=0.25)
   for step in range(1, 25):
-    grad = jnp.inf if step % 2 else 1.0  # half the steps overflow
-    _, opt_state = tx.update({"w": jnp.full(2, grad)}, opt_state, params)
+    grad = np.inf if step % 2 else 1.0  # half the steps overflow
+    _, opt_state = update({"w": f32(np.full(2, grad))}, opt_state, params)
     opt_state, policy = fallback.update(opt_state, step=step)
   # The first look (step 2) starts the window; a whole one has passed at 10.
   # The next policy is measured from its switch: a whole window later, 18.
@@ -342,8 +344,7 @@ def test_a_checkpoint_records_a_policy_off_the_ladder(tmp_path):
   for i, policy in enumerate([
       jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32", "head": "float32"}, default="mixed_float16",
                               first_match=True, override_dtype=(nn.Dense,)),
-      jaxmp.PathPolicy({"kernel": "float32"}, default="mixed_float16"),
-      "p=f32,c=f16,o=f16"]):
+      jaxmp.PathPolicy({"kernel": "float32"}, default="mixed_float16"), "p=f32,c=f16,o=f16"]):
     fallback = jaxmp.PrecisionFallback(LADDER)
     switched, _ = fallback.switch(state, policy, reason="a test", step=1)
     jaxmp.flax.save_checkpoint(tmp_path / str(i), switched, fallback=fallback)
@@ -383,9 +384,8 @@ class NnxOneBadModule(nnx.Module):  # OneBadModule in NNX
 
 
 @pytest.mark.parametrize("framework", ["train_state", "nnx"])
-def test_only_the_overflowing_module_is_promoted_and_training_then_skips_nothing(
-    framework):
-  x = jax.random.normal(jax.random.key(1), (8, 4))
+def test_only_the_overflowing_module_is_promoted_and_training_then_skips_nothing(framework):
+  x = f32(np.random.default_rng(1).normal(size=(8, 4)))
   target, model, step, _ = _run(
       framework, jaxmp.DynamicLossScale(2.0**3, min_loss_scale=1.0), x=x, learning_rate=1e-4,
       model=(nnx.jit(lambda: NnxOneBadModule(nnx.Rngs(0)))()  # one compile, not op by op
@@ -407,8 +407,7 @@ def test_only_the_overflowing_module_is_promoted_and_training_then_skips_nothing
   assert report.modules == ("head",) and report.inputs_finite
   assert set(report.gradient_modules) == {"body", "norm", "head"}
   assert [(c.path, c.inputs_finite, c.outputs_finite) for c in report.calls] == [
-      ("", True, False), ("norm", True, True), ("body", True, True),
-      ("head", True, False)]
+      ("", True, False), ("norm", True, True), ("body", True, True), ("head", True, False)]
   # Nothing of the model was changed: its arrays, its classes' __call__.
   assert bits(_kept(target, model)) == before
   assert {cls: vars(cls).get("__call__") for cls in classes} == calls
@@ -470,13 +469,13 @@ F16_F32 = [("float16", "float16"), ("float32", "float32")]
 PROMOTIONS = {  # the model, its batch, the base policy; what overflows, the proposal, its dots
     "downstream_linen": (lambda: _forward(FeedsAFloat16Head(), jnp.ones((1, 3))), "mixed_float16",
                          ("body",), {"body": "float32", "head": "float32"}, F16_F32[1:] * 2),
-    "downstream_nnx": (lambda: _forward(NnxHead(nnx.Rngs(0), body_scale=4e4), X), "mixed_float16",
+    "downstream_nnx": (lambda: _forward(nnx_head(nnx.Rngs(0), body_scale=4e4), X), "mixed_float16",
                        ("body",), {"body": "float32", "head": "float32"}, F16_F32[1:] * 2),
     "over_a_declared_float16": (
-        lambda: _forward(DeclaredFloat16(), jax.random.normal(jax.random.key(1), (8, 4))),
+        lambda: _forward(DeclaredFloat16(), f32(np.random.default_rng(1).normal(size=(8, 4)))),
         "mixed_float16", ("head",), {"head": "float32"}, F16_F32),
     "keeping_the_rules": (
-        lambda: _forward(OneBadModule(), jax.random.normal(jax.random.key(1), (2, 4))),
+        lambda: _forward(OneBadModule(), f32(np.random.default_rng(1).normal(size=(2, 4)))),
         jaxmp.flax.ModulePolicy({nn.LayerNorm: "float32"}, default="mixed_float16"), ("head",),
         {"head": "float32", nn.LayerNorm: "float32"}, F16_F32),
     "the_whole_model": (lambda: _forward(Squares(), jnp.ones((1, 2))), "mixed_float16", ("",),
@@ -494,8 +493,7 @@ def test_the_proposed_policy_promotes_what_overflows_and_runs_finite_on_its_batc
   assert report.modules == modules
   policy = report.propose_policy(base)
   assert policy == (jaxmp.get_policy("float32") if rules is None else jaxmp.flax.ModulePolicy(
-      rules, default="mixed_float16", first_match=not isinstance(base, str),
-      override_dtype=True))
+      rules, default="mixed_float16", first_match=not isinstance(base, str), override_dtype=True))
   assert _dot_dtypes(*forward(policy)) == dots
   assert jaxmp.flax.find_overflowing_modules(*forward(policy)).modules == ()
 
@@ -511,7 +509,7 @@ def test_the_innermost_producer_is_reported_however_deep():
     def __call__(self, x):
       return getattr(self, self.child)(x)
 
-  model = Calls(block=Calls(head=NnxHead(nnx.Rngs(0), head_scale=1e5)))
+  model = Calls(block=Calls(head=nnx_head(nnx.Rngs(0), head_scale=1e5)))
   jaxmp.flax.ModulePolicy({}, default="mixed_float16").set_nnx_dtypes(model)
   report = jaxmp.flax.find_overflowing_modules(model, X)
   assert [c.path for c in report.calls if not c.outputs_finite] == [

@@ -52,6 +52,8 @@ default_jit = functools.partial(jax.jit, compiler_options=DEFAULT_CODEGEN)
 # Leaves of one shape: each eager primitive is compiled once, not once a shape.
 PARAMS = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.array([[0.5, -0.0, 0.0]] * 2)}
 GRADS = {"w": jnp.full((2, 3), 0.25), "b": jnp.array([[-1.0, 2.0, 0.5]] * 2)}
+# Each optimizer built once, its update jitted once: the selects' rows share that program.
+_optimizer = functools.cache(lambda name: (tx := OPTIMIZERS[name](), default_jit(tx.update)))
 
 
 def _bits(tree):
@@ -62,11 +64,11 @@ def _bits(tree):
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("select", ["in place", "plain", "eager"])
 def test_finite_and_skipped_steps(name, select, monkeypatch):
-  """Either select, jitted, steps bit for bit as the jitted plain update."""
+  """Either select, jitted or not, steps bit for bit as the plain update."""
   monkeypatch.setenv("JAXMP_INPLACE_SELECT", "0" if select == "plain" else "1")
-  tx = OPTIMIZERS[name]()
-  run = (lambda f: f) if select == "eager" else default_jit
-  update, fold = run(tx.update), run(functools.partial(update_or_keep, tx.update))
+  tx, update = _optimizer(name)  # the fold traced afresh: the switch is read when it traces
+  fold = functools.partial(update_or_keep, tx.update)
+  update, fold = (tx.update, fold) if select == "eager" else (update, default_jit(fold))
   _, state = update(GRADS, tx.init(PARAMS), PARAMS)  # non-trivial moments, counters
   assert _bits(fold(jnp.array(True), GRADS, state, PARAMS)) == _bits(update(GRADS, state, PARAMS))
   bad = jax.tree_util.tree_map(lambda g: g.at[0].set(jnp.inf), GRADS)
@@ -125,12 +127,12 @@ def test_the_switch_selects_the_select(monkeypatch):
 
 
 def test_the_switch_and_the_backend_choose_the_check(monkeypatch):
-  leaves = [jnp.ones((40, 50)), jnp.ones((40, 50)), jnp.ones(500)]
-  decisions = [  # (tree, finite): every form must decide alike
-      (leaves, True), ({}, True),
-      ({"w": leaves[0].at[3, 4].set(jnp.inf), "n": jnp.arange(3)}, False),
-      ({"w": leaves[2].at[7].set(jnp.nan), "z": jnp.zeros((0, 2))}, False),
-      ({"c": jnp.array([1.0 + 2.0j, 1j * jnp.inf], jnp.complex64)}, False)]
+  leaves = [np.ones((40, 50), np.float32), np.ones((40, 50), np.float32), np.ones(500, np.float32)]
+  (w := leaves[0].copy())[3, 4], (v := leaves[2].copy())[7] = np.inf, np.nan  # set up in NumPy
+  decisions = list(zip(jax.device_put([  # (tree, finite): every form must decide alike
+      leaves, {}, {"w": w, "n": np.arange(3, dtype=np.int32)},
+      {"w": v, "z": np.zeros((0, 2), np.float32)},
+      {"c": np.array([1.0 + 2.0j, 1j * np.inf], np.complex64)}]), [True] * 2 + [False] * 3))
   traced = []  # each check traced afresh, its function kept alive
 
   def form():
@@ -161,11 +163,11 @@ def _zero_style_step(name, mesh, guarded=True):
   the optimizer state (ZeRO-style); guarded, the devices agree on skipping."""
   tx = SWITCH_OPTIMIZERS[name]()
   tx = jaxmp.loss_scaling(tx, jaxmp.DynamicLossScale(2.0**4), axis_name="d") if guarded else tx
-  params = {"w": jnp.linspace(-1.0, 1.0, 64 * 32).reshape(64, 32),
-            "b": jnp.linspace(0.5, -0.5, 64)}
+  params = {"w": np.linspace(-1.0, 1.0, 64 * 32, dtype=np.float32).reshape(64, 32),
+            "b": np.linspace(0.5, -0.5, 64, dtype=np.float32)}
   # On the mesh already: the calls run the program measured here, not another.
-  params, state = jax.tree_util.tree_map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(
-      mesh, P("d") if jnp.ndim(x) else P())), (params, tx.init(params)))
+  params, state = jax.tree_util.tree_map(lambda x: jax.device_put(np.asarray(x), (
+      jax.sharding.NamedSharding(mesh, P("d") if jnp.ndim(x) else P()))), (params, tx.init(params)))
   sharded = lambda tree: jax.tree_util.tree_map(lambda x: x.sharding.spec, tree)
 
   def body(params, state, poison):
@@ -173,12 +175,10 @@ def _zero_style_step(name, mesh, guarded=True):
     scale = jaxmp.get_loss_scale(state).scale if guarded else lambda loss: loss
     grads = jax.grad(lambda p: scale(sum(
         jnp.sum(jnp.tanh(x) ** 2) for x in jax.tree_util.tree_leaves(p))))(params)
-    updates, state = tx.update(jax.tree_util.tree_map(lambda g: g + poison, grads), state,
-                               params)
+    updates, state = tx.update(jax.tree_util.tree_map(lambda g: g + poison, grads), state, params)
     return optax.apply_updates(params, updates), state
 
-  step = default_jit(jax.shard_map(
-      body, mesh=mesh, in_specs=(sharded(params), sharded(state), P()),
+  step = default_jit(jax.shard_map(body, mesh=mesh, in_specs=(sharded(params), sharded(state), P()),
       out_specs=(sharded(params), sharded(state))), donate_argnums=(0, 1))
   return step, params, state, step.lower(params, state, jnp.float32(0)).compile(
       ).memory_analysis().temp_size_in_bytes

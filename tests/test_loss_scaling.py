@@ -1,6 +1,5 @@
 """Tests of the optax wrapper loss_scaling, its state lookup, metrics and checks."""
 
-import functools
 import itertools
 import re
 import warnings
@@ -15,7 +14,7 @@ from flax import nnx
 
 import jaxmp
 import jaxmp.flax
-from models import NnxMLP, classification_batch, init_mlp, make_batch, mse, poison
+from models import NnxMLP, f32, init_mlp, like_flax_init, make_batch, mse, poison
 
 
 def inner_optimizer():
@@ -23,11 +22,12 @@ def inner_optimizer():
   return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=1e-3))
 
 
-mse_grads = jax.jit(jax.grad(mse))
 # The leaves as raw bytes: equal only if bit-identical (signed zeros too).
 bits = lambda tree: [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
 negative_zeros = lambda tree: jax.tree_util.tree_map(lambda u: jnp.full_like(u, -0.0), tree)
 SCALE = jaxmp.StaticLossScale(8.0)
+mlp_params = lambda *sizes: like_flax_init(  # init_mlp's, drawn in NumPy: no init compiled
+    jax.eval_shape(lambda: init_mlp(jax.random.key(0), sizes)))
 PARAMS = {"w": jnp.ones(3)}
 
 
@@ -36,8 +36,10 @@ class LossScalingTest(chex.TestCase):
   @chex.variants(with_jit=True, without_jit=True)
   def test_non_finite_step_is_skipped_bit_identically(self):
     """After a finite step, which is the bare optimizer's on the unscaled grads."""
-    params = poison(init_mlp(jax.random.key(1)), -0.0, leaf_index=1)  # a signed zero too
-    grads = mse_grads(params, make_batch(0))
+    rng = np.random.default_rng(1)  # in NumPy, four leaves of one shape: each op compiles once
+    params, grads = ({k: rng.normal(size=3).astype(np.float32) for k in "abcd"} for _ in "pg")
+    params["b"][0] = -0.0  # a signed zero too
+    params, grads = jax.device_put((params, grads))
     bare_updates, bare_state = self.variant(inner_optimizer().update)(
         grads, inner_optimizer().init(params), params)
     for clip in (None, 1.0):  # the flag of all_finite, or of the clipping norm
@@ -72,7 +74,7 @@ def train_step(tx, loss_fn):
 
 def test_training_with_injected_overflows_equals_training_without_them():
   """Jitted once, with no host transfer after the first step, however steps go."""
-  params0, bare = init_mlp(jax.random.key(2)), inner_optimizer()
+  params0, bare = mlp_params(4, 16, 3), inner_optimizer()
   tx = jaxmp.loss_scaling(inner_optimizer(), jaxmp.DynamicLossScale(2.0**10, period=3))
   step = jax.jit(chex.assert_max_traces(train_step(tx, lambda p, batch, inject: mse(
       p, batch) * jnp.where(inject, jnp.inf, jnp.float32(1))), n=1))
@@ -108,8 +110,7 @@ def test_wrapper_skips_for_every_kind_of_loss_scale():
     assert int(state.skipped_steps) == 1 and bool(state.last_finite)
 
 
-@pytest.mark.parametrize("wrap", [
-    jaxmp.loss_scaling, lambda tx, ls: jaxmp.multi_steps(tx, ls, 4)],
+@pytest.mark.parametrize("wrap", [jaxmp.loss_scaling, lambda tx, ls: jaxmp.multi_steps(tx, ls, 4)],
     ids=["loss_scaling", "multi_steps"])
 def test_equal_arguments_give_equal_transformations(wrap):
   # As Flax compares a TrainState's tx: one structure, however often it is built.
@@ -136,18 +137,18 @@ def test_the_inner_optimizer_gets_unscaled_gradients_in_the_params_dtype_and_ext
     return jax.tree_util.tree_map(lambda g: -loss * g, grads), state
 
   inner = optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
-  params = {"f16": jnp.ones(2, jnp.float16), "bf16": jnp.ones(2, jnp.bfloat16), "f32": jnp.ones(2)}
+  params = {"f16": np.ones(2, np.float16), "bf16": np.ones(2, jnp.bfloat16), "f32": f32(np.ones(2))}
   tx = jaxmp.loss_scaling(inner, jaxmp.StaticLossScale(2.0**10))
-  grads = jax.tree_util.tree_map(lambda p: jnp.full(2, 3 * 2.0**10, p.dtype), params)
-  updates, _ = tx.update(grads, tx.init(params), params, loss=0.5)
+  grads = jax.tree_util.tree_map(lambda p: np.full(2, 3 * 2.0**10, p.dtype), params)
+  updates, _ = jax.jit(lambda g, s, p: tx.update(g, s, p, loss=0.5))(grads, tx.init(params), params)
   assert seen == {**{k: p.dtype for k, p in params.items()}, "loss": 0.5}
   chex.assert_trees_all_equal(
-      updates, jax.tree_util.tree_map(lambda p: jnp.full(2, -1.5, p.dtype), params), strict=True)
+      updates, jax.tree_util.tree_map(lambda p: np.full(2, -1.5, p.dtype), params), strict=True)
 
 
 def test_real_float16_overflow_backs_off_until_steps_succeed():
   """A float16 backward pass that overflows at 2**24, with no injection."""
-  params, batch = init_mlp(jax.random.key(4), sizes=(4, 32, 3)), make_batch(0, n=16)
+  params, batch = mlp_params(4, 32, 3), make_batch(0, n=16)
   tx = jaxmp.loss_scaling(optax.adam(1e-2), jaxmp.DynamicLossScale(2.0**24, period=1000))
   step = jax.jit(train_step(tx, lambda p: mse(p, batch, jaxmp.get_policy("mixed_float16"))))
   state, finite, losses = tx.init(params), [], []
@@ -157,8 +158,8 @@ def test_real_float16_overflow_backs_off_until_steps_succeed():
   assert not finite[0] and all(finite[-20:])  # overflowed, then succeeded after backing off
   assert float(state.loss_scale.loss_scale) < 2.0**24 and losses[-1] < losses[0]
   assert int(state.skipped_steps) == finite.index(True)
-  assert all(leaf.dtype == jnp.float32 for leaf in jax.tree_util.tree_leaves(params))
-  assert jaxmp.all_finite(params)
+  assert all(leaf.dtype == jnp.float32 and np.isfinite(leaf).all()
+             for leaf in jax.tree_util.tree_leaves(params))
 
 
 def test_get_loss_scale_finds_the_scale_in_nested_states():
@@ -176,12 +177,13 @@ def test_get_loss_scale_finds_the_scale_in_nested_states():
   array = type(jnp.ones(1))  # not an NNX Variable
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # none of these is misplaced
-    for state in states:
+    jitted = jax.jit(lambda states: [jaxmp.get_loss_scale(s) for s in states])(states)  # at once
+    for state, in_jit in zip(states, jitted):
       loss_scale, metrics = jaxmp.get_loss_scale(state), jaxmp.loss_scaling_metrics(state)
       assert type(loss_scale) is jaxmp.StaticLossScale and type(loss_scale.loss_scale) is array
       assert all(type(v) is array for v in metrics.values())
       assert (float(loss_scale.loss_scale), float(metrics["loss_scale"]), float(
-          jax.jit(jaxmp.get_loss_scale)(state).loss_scale)) == (8.0, 8.0, 8.0)
+          in_jit.loss_scale)) == (8.0, 8.0, 8.0)
       jaxmp.check_loss_scale(state)
   dynamic = jaxmp.DynamicLossScale(2.0**8, period=7, hysteresis=2)  # from NNX's variables
   loss_scale = jaxmp.get_loss_scale(
@@ -199,8 +201,7 @@ CHAIN, WRAPPER = "inside optax.chain, next to other transformations", (
     (lambda tx: optax.chain(tx, optax.add_decayed_weights(1e-4)), "[0]", CHAIN),
     (lambda tx: optax.named_chain(("clip", optax.clip_by_global_norm(1.0)), ("scaled", tx)),
      "['scaled']", "inside optax.named_chain, next to other transformations"),
-    (lambda tx: optax.masked(tx, {"w": True}), "MaskedState.inner_state",
-     WRAPPER % "MaskedState"),
+    (lambda tx: optax.masked(tx, {"w": True}), "MaskedState.inner_state", WRAPPER % "MaskedState"),
     (lambda tx: optax.apply_if_finite(tx, 3), "ApplyIfFiniteState.inner_state",
      WRAPPER % "ApplyIfFiniteState"),
     (lambda tx: optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0), tx), 2),
@@ -266,19 +267,18 @@ def test_check_loss_scale_raises_only_after_an_overflow_at_the_minimum():
   state = step(state)  # at the minimum with no budget left
   jaxmp.check_loss_scale(state, max_overflows_at_min=1)  # tolerated
   tx = jaxmp.loss_scaling(optax.sgd(0.1), jaxmp.DynamicLossScale(2.0, min_loss_scale=1.0))
-  states = jax.vmap(lambda _: tx.init(params))(jnp.arange(4))
+  states = jax.jit(jax.vmap(lambda _: tx.init(params)))(np.arange(4))
   step = jax.jit(jax.vmap(lambda g, s: tx.update({"w": g}, s, params)[1]))
   # Member 2 overflows three times (two of them at the minimum), member 1 twice.
   for bad in ([2], [1, 2], [1, 2]):
-    states = step(jnp.ones((4, 2)).at[jnp.array(bad)].set(jnp.inf), states)
+    states = step(np.float32([[np.inf if i in bad else 1.0] * 2 for i in range(4)]), states)
   metrics = jax.device_get(jaxmp.loss_scaling_metrics(states))
   assert (metrics["overflows_at_min"].tolist(), metrics["skipped"].tolist()) == (
       [0, 1, 2, 0], [0, 1, 1, 0])
   jaxmp.check_loss_scale(states, max_overflows_at_min=2)
   for sources, tolerated, raised in (
       ((state, jaxmp.get_loss_scale(state), jaxmp.loss_scaling_metrics(state)), 0, ""),
-      ((states, metrics, jaxmp.get_loss_scale(states)), 1,
-       " (member 2 of the 4 stacked states)")):
+      ((states, metrics, jaxmp.get_loss_scale(states)), 1, " (member 2 of the 4 stacked states)")):
     for source in sources:  # the remedies that follow: test_faults.py
       with pytest.raises(jaxmp.LossScaleAtMinimumError) as info:
         jaxmp.check_loss_scale(source, max_overflows_at_min=tolerated)
@@ -286,7 +286,8 @@ def test_check_loss_scale_raises_only_after_an_overflow_at_the_minimum():
           f"Current loss scale already at minimum (1.0): {tolerated + 1} overflow(s) at the "
           f"minimum scale{raised}.\n")
   # Two stacking axes (e.g. pmap over vmap): the member is an index pair.
-  grid = jax.tree_util.tree_map(lambda x: x.reshape((2, 2) + x.shape[1:]), states)
+  grid = jax.device_put(jax.tree_util.tree_map(
+      lambda x: np.asarray(x).reshape((2, 2) + x.shape[1:]), states))
   with pytest.raises(jaxmp.LossScaleAtMinimumError, match=r"member \(1, 0\) of the 2x2"):
     jaxmp.check_loss_scale(grid)
 
@@ -313,15 +314,16 @@ class ScaledValueAndGradTest(chex.TestCase):
 
 def _equinox_case():  # a module that holds functions, through eqx.filter_jit
   eqx = pytest.importorskip("equinox")
-  return (eqx.nn.MLP(3, 2, 8, 1, key=jax.random.key(0)), jnp.linspace(-1.0, 1.0, 15).reshape(5, 3),
+  return (eqx.filter_jit(lambda: eqx.nn.MLP(3, 2, 8, 1, key=jax.random.key(0)))(),  # one compile
+          f32(np.linspace(-1.0, 1.0, 15).reshape(5, 3)),
           lambda m, x: jnp.mean((jax.vmap(m)(x) - 0.5) ** 2), eqx.filter_value_and_grad,
           eqx.filter_jit, lambda grads: eqx.filter(grads, eqx.is_array))
 
 
 def _nnx_case():
-  policy, model = jaxmp.get_policy("mixed_float16"), NnxMLP(nnx.Rngs(0))
+  policy, model = jaxmp.get_policy("mixed_float16"), nnx.jit(lambda: NnxMLP(nnx.Rngs(0)))()
   jaxmp.flax.ModulePolicy({nnx.LayerNorm: "float32"}, default=policy).set_nnx_dtypes(model)
-  return model, classification_batch()[0], lambda m, x: jnp.mean(policy.cast_to_output(
+  return model, make_batch(0)["x"], lambda m, x: jnp.mean(policy.cast_to_output(
       m(policy.cast_to_compute(x))) ** 2), nnx.value_and_grad, nnx.jit, nnx.to_pure_dict
 
 
@@ -342,40 +344,39 @@ def test_scaled_value_and_grad_takes_each_frameworks_value_and_grad(framework):
 
 
 DECISIONS = [  # (case, gradients, finite): every form of the check must decide alike
-    (f"{dtype.__name__}-{name}-{shape}",
-     {"g": jnp.full(1000, value, dtype) if shape == "many" else jnp.ones(1000, dtype).at[3].set(
-         value), "other": jnp.full(3, 2.0)}, name in ("finite", "huge", "subnormal"))
+    (f"{dtype.__name__}-{name}-{shape}", {"other": jnp.full(3, 2.0), "g": jax.device_put(np.where(
+        (np.arange(1000) == 3) | (shape == "many"), np.array(value, dtype), np.ones(1000, dtype)))},
+     name in ("finite", "huge", "subnormal"))
     for dtype in (jnp.float32, jnp.bfloat16, jnp.float16)
     for name, value in (("finite", 1.5), ("inf", np.inf), ("-inf", -np.inf), ("nan", np.nan),
                         ("huge", float(jnp.finfo(dtype).max)),
                         ("subnormal", float(jnp.finfo(dtype).smallest_subnormal)))
     for shape in ("one", "many")]
-ALL_FINITE_JITTED = jax.jit(jaxmp.all_finite)
 
 
-@functools.cache
-def _forms_of_the_check():
-  """name -> (optimizer, micro-batches per step, update), jitted once for the table: the
-  update's flag without and with clipping, multi_steps' on one micro-batch or it and zeros."""
-  txs = {(k, clip): jaxmp.multi_steps(optax.sgd(1.0), jaxmp.NoOpLossScale(), k,
-                                      clip_global_norm=clip) if k else jaxmp.loss_scaling(
-      optax.sgd(1.0), jaxmp.NoOpLossScale(), clip_global_norm=clip)  # k = 0: loss_scaling
-         for k in (0, 1, 2) for clip in (None, 1.0)}
-  return {f"{k=} {clip=} jit={jit}": (tx, max(k, 1), jax.jit(tx.update) if jit else tx.update)
-          for (k, clip), tx in txs.items() for jit in (False, True)}
+def _forms_of_the_check(grads):
+  """Each form's flag: the update's with and without clipping, multi_steps' on 1 or 2 batches."""
+  zeros, flags = jax.tree_util.tree_map(jnp.zeros_like, grads), {}
+  for k, clip in itertools.product((0, 1, 2), (None, 1.0)):
+    tx = jaxmp.multi_steps(optax.sgd(1.0), jaxmp.NoOpLossScale(), k, clip_global_norm=clip) if (
+        k) else jaxmp.loss_scaling(optax.sgd(1.0), jaxmp.NoOpLossScale(), clip_global_norm=clip)
+    state = tx.init(zeros)  # k = 0: loss_scaling
+    for micro_batch in [grads] + [zeros] * (max(k, 1) - 1):
+      _, state = tx.update(micro_batch, state, zeros)
+    flags[f"{k=} {clip=}"] = getattr(state, "inner_opt_state", state).last_finite
+  return flags
+
+
+JITTED_FORMS = jax.jit(lambda grads: {  # all, independent, in one program compiled once a dtype
+    "all_finite": jaxmp.all_finite(grads), **_forms_of_the_check(grads)})
 
 
 @pytest.mark.parametrize("case,grads,expected", DECISIONS, ids=[c[0] for c in DECISIONS])
 def test_every_form_of_the_check_decides_alike(case, grads, expected):
-  flags = {"all_finite": jaxmp.all_finite(grads), "all_finite jitted": ALL_FINITE_JITTED(grads)}
-  zeros = jax.tree_util.tree_map(jnp.zeros_like, grads)
-  for name, (tx, k, update) in _forms_of_the_check().items():
-    if "jit=False" in name and not (case.startswith("float16-") and case.endswith("-one")):
-      continue  # op by op on one dtype's rows of one shape: the jitted forms' code
-    state = tx.init(zeros)
-    for micro_batch in [grads] + [zeros] * (k - 1):
-      _, state = update(micro_batch, state, zeros)
-    flags[name] = getattr(state, "inner_opt_state", state).last_finite
+  flags = {"all_finite": jaxmp.all_finite(grads),
+           **{f"{name} jitted": flag for name, flag in JITTED_FORMS(grads).items()}}
+  if case.startswith("float16-") and case.endswith("-one"):  # op by op on one dtype's rows
+    flags.update(_forms_of_the_check(grads))  # of one shape: the jitted forms' code
   assert {name: bool(flag) for name, flag in flags.items()} == dict.fromkeys(flags, expected)
 
 
@@ -386,23 +387,24 @@ _norm = lambda tree: float(np.sqrt(sum(np.sum(np.square(np.asarray(x, np.float64
 
 
 def test_clip_global_norm_clips_as_optax_does():
-  params = init_mlp(jax.random.PRNGKey(0), sizes=(64, 300, 10))
-  grads = jax.tree_util.tree_map(lambda p: 3.0 * jnp.ones_like(p), params)
+  params = mlp_params(64, 300, 10)
+  scaled = lambda grads: jax.tree_util.tree_map(lambda g: g * np.float32(2.0**10), grads)  # exact
+  grads = jax.tree_util.tree_map(lambda p: np.full(p.shape, 3.0, np.float32), params)
   scale = jaxmp.StaticLossScale(2.0**10)
   chained = jaxmp.loss_scaling(optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0)), scale)
   sharing = jaxmp.loss_scaling(optax.sgd(1.0), scale, clip_global_norm=1.0)
-  expected, _ = jax.jit(chained.update)(scale.scale(grads), chained.init(params), params)
-  got, state = jax.jit(sharing.update)(scale.scale(grads), sharing.init(params), params)
+  expected, _ = jax.jit(chained.update)(scaled(grads), chained.init(params), params)
+  got, state = jax.jit(sharing.update)(scaled(grads), sharing.init(params), params)
   chex.assert_trees_all_close(got, expected, rtol=1e-6)
   assert _norm(got) == pytest.approx(1.0, rel=1e-6) and bool(state.last_finite)
   # Below the norm the gradients pass unchanged, bit for bit.
-  small = jax.tree_util.tree_map(lambda g: g * 1e-4, grads)
-  got, _ = jax.jit(sharing.update)(scale.scale(small), sharing.init(params), params)
-  chex.assert_trees_all_equal(got, jax.tree_util.tree_map(jnp.negative, small))
+  small = jax.tree_util.tree_map(lambda g: g * np.float32(1e-4), grads)
+  got, _ = jax.jit(sharing.update)(scaled(small), sharing.init(params), params)
+  chex.assert_trees_all_equal(got, jax.tree_util.tree_map(np.negative, small))
   # Huge finite gradients, whose plain float32 sum of squares overflows, step.
   huge = float(jnp.finfo(jnp.float32).max)
-  grads = {"a": jnp.array([huge, -huge, 3.0]), "b": jnp.full(4, 1e20)}
-  params = jax.tree_util.tree_map(jnp.zeros_like, grads)
+  grads = {"a": f32([huge, -huge, 3.0]), "b": f32(np.full(4, 1e20))}
+  params = jax.tree_util.tree_map(np.zeros_like, grads)
   tx = jaxmp.loss_scaling(optax.sgd(1.0), jaxmp.NoOpLossScale(), clip_global_norm=2.0)
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
   assert bool(state.last_finite) and _norm(updates) == pytest.approx(2.0, rel=1e-6)
