@@ -98,11 +98,15 @@ def trajectories(loss_scale, overflows, *fields):
 
 # The functional MLP.
 def init_mlp(key, sizes=(4, 16, 3)):
-  """Float32 params of a tanh MLP, ``{"layer<i>": {"w", "b"}}``, drawn in NumPy from the
-  key's bits (an init per shape compiled in JAX took longer than most tests)."""
-  rng = np.random.default_rng(np.asarray(jax.random.key_data(key)))
-  return {f"layer{i}": {"w": f32(rng.normal(size=(a, b)) / np.sqrt(a)), "b": f32(np.zeros(b))}
-          for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:]))}
+  """Float32 params of a tanh MLP, ``{"layer<i>": {"w", "b"}}``."""
+  keys = jax.random.split(key, len(sizes) - 1)
+  return {
+      f"layer{i}": {
+          "w": jax.random.normal(k, (a, b)) / np.sqrt(a),
+          "b": jnp.zeros(b),
+      }
+      for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:]))
+  }
 
 
 def mlp(params, x):

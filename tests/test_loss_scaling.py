@@ -14,7 +14,7 @@ from flax import nnx
 
 import jaxmp
 import jaxmp.flax
-from models import NnxMLP, f32, init_mlp, make_batch, mse, poison
+from models import NnxMLP, f32, init_mlp, like_flax_init, make_batch, mse, poison
 
 
 def inner_optimizer():
@@ -26,7 +26,8 @@ def inner_optimizer():
 bits = lambda tree: [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
 negative_zeros = lambda tree: jax.tree_util.tree_map(lambda u: jnp.full_like(u, -0.0), tree)
 SCALE = jaxmp.StaticLossScale(8.0)
-mlp_params = lambda *sizes: init_mlp(jax.random.key(0), sizes)
+mlp_params = lambda *sizes: like_flax_init(  # init_mlp's, drawn in NumPy: no init compiled
+    jax.eval_shape(lambda: init_mlp(jax.random.key(0), sizes)))
 PARAMS = {"w": jnp.ones(3)}
 
 
