@@ -25,6 +25,8 @@ jaxmp, so both run alike:
   compilation of the benchmarks does. Results can differ from a default
   compilation in the last bits, so the tests compare only results computed
   under the same settings;
+* Python's cycle collector skips what collection imported and runs less often
+  (``pytest_collection_finish`` below);
 * strict dtype promotion (``jax_numpy_dtype_promotion="strict"``): an
   operation that mixes dtypes, such as a float16 array times a float32 one,
   raises instead of silently upcasting. jaxmp, the tests, the docstring
