@@ -34,23 +34,26 @@ def mesh():
   return jax.make_mesh((4, 2), AXES, axis_types=(AxisType.Auto,) * 2)
 
 
-def _init_params():
+@functools.cache
+@jax.jit
+def _init_params():  # one program, drawn once
   k1, k2 = jax.random.split(jax.random.key(0))
   return {"dense1": {"kernel": jax.random.normal(k1, (16, 32)) * 0.3, "bias": jnp.zeros(32)},
           "dense2": {"kernel": jax.random.normal(k2, (32, 8)) * 0.3, "bias": jnp.zeros(8)}}
 
 
-def _batch(step):
+@jax.jit
+def _batch(step):  # one program for every step
   kx, ky = jax.random.split(jax.random.fold_in(jax.random.key(1), step))
   return {"x": jax.random.normal(kx, (32, 16)), "y": jax.random.normal(ky, (32, 8))}
 
 
 def _poison(params, inject):
-  """Zeros shaped like params; with ``inject``, one inf at POISONED."""
-  poison = jax.tree_util.tree_map(jnp.zeros_like, params)
+  """Zeros shaped like params, in NumPy; with ``inject``, one inf at POISONED."""
+  poison = jax.tree_util.tree_map(lambda p: np.zeros(p.shape, np.float32), params)
   if inject:
     layer, name, index = POISONED
-    poison[layer][name] = poison[layer][name].at[index].set(jnp.inf)
+    poison[layer][name][index] = np.inf
   return poison
 
 
@@ -173,7 +176,7 @@ def test_gspmd_step_keeps_shardings_without_pinning_outputs(mesh, sharded):
 def test_gspmd_matches_single_device_over_20_steps(sharded):
   overflow_steps, device = {3, 4, 11}, jax.devices()[0]
   params, opt_state = sharded.params, sharded.opt_state
-  ref_params, ref_state = jax.device_put((p := _init_params(), sharded.tx.init(p)), device)
+  ref_params, ref_state = jax.device_put((sharded.params, sharded.opt_state), device)  # gathered
   ref_step = jax.jit(functools.partial(_train_step, sharded.tx))
 
   def record(state, loss):
@@ -253,17 +256,18 @@ def test_shard_map_without_axis_name_devices_disagree(mesh):
 @pytest.mark.usefixtures("mesh")  # 8 devices
 @pytest.mark.parametrize("axis_name", ["devices", None])
 def test_pmap_inf_on_one_replica(axis_name):
-  tx, params = _make_tx(axis_name=axis_name), {"w": jnp.ones((8, 4))}
-  replicate = functools.partial(jax.tree_util.tree_map, lambda x: jnp.stack([x] * 8))
-  # Per-replica gradients: replica 6 holds one inf.
-  grads = {"w": jnp.ones((8, 8, 4)).at[6, 2, 1].set(jnp.inf)}
+  tx, params = _make_tx(axis_name=axis_name), {"w": np.ones((8, 4), np.float32)}
+  replicate = functools.partial(jax.tree_util.tree_map, lambda x: np.stack([x] * 8))
+  # Per-replica gradients: replica 6 holds one inf (made in NumPy).
+  grads = {"w": np.where(np.arange(256).reshape(8, 8, 4) == 6 * 32 + 2 * 4 + 1, np.inf,
+                         np.ones((8, 8, 4), np.float32))}
 
   def step(grads, opt_state, params):
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
   new_params, new_state = jax.pmap(step, axis_name="devices")(
-      grads, replicate(tx.init(params)), replicate(params))
+      grads, replicate(jax.device_get(tx.init(params))), replicate(params))
   np.testing.assert_array_equal(new_state.last_finite,
                                 [False] * 8 if axis_name else [True] * 6 + [False, True])
   if axis_name:
@@ -286,7 +290,7 @@ def test_a_train_state_is_sharded_as_flax_examples_build_it(mesh):
   dense = lambda features, axes: nn.Dense(features, kernel_init=nn.with_logical_partitioning(
       nn.initializers.lecun_normal(), axes))
   model = nn.Sequential([dense(32, ("embed", "mlp")), dense(8, ("mlp", "embed"))])
-  tx, x = optax.adam(1e-3), jnp.ones((8, 16))
+  tx, x = optax.adam(1e-3), np.ones((8, 16), np.float32)
   make_state = lambda key: jaxmp.flax.TrainState.create(
       apply_fn=model.apply, params=model.init(key, x)["params"], tx=tx, policy="mixed_float16")
   specs = nn.get_partition_spec(jax.eval_shape(make_state, jax.random.key(0)))
