@@ -23,7 +23,7 @@ from models import LinenMLP, NnxMLP, f32, make_batch
 BURST_SCALE = jaxmp.DynamicLossScale(2.0**10, period=4, min_loss_scale=2.0**6, hysteresis=3)
 # 24 steps, eight overflows in a row, a checkpoint after the 12th: inside the burst.
 N_STEPS, BURST, SAVE_AT = 24, range(8, 16), 12
-init_params = jax.jit(lambda seed, x: LinenMLP().init(jax.random.key(seed), x)["params"])  # 1 program
+init_params = jax.jit(lambda seed, x: LinenMLP().init(jax.random.key(seed), x)["params"])  # one jit
 all_finite, batch = jax.jit(jaxmp.all_finite), lambda i: (make_batch(i)["x"], make_batch(i)["y"])
 # States committed to a device (as restored ones are), one adamw: a step compiles once.
 commit, ADAMW = lambda tree: jax.device_put(tree, jax.devices()[0]), optax.adamw(1e-2)
@@ -71,8 +71,7 @@ def run(state, steps):
   """``(state, loss scales)`` after ``steps`` (NNX objects in place)."""
   scales = []
   for i in steps:
-    x, y = batch(i)
-    # An overflow in the burst: an inf at x[0, 0], made in NumPy.
+    x, y = batch(i)  # an overflow in the burst: an inf at x[0, 0] (made in NumPy)
     args = (f32(np.where(np.indices(x.shape).sum(0) == 0, np.inf, x)) if i in BURST else x, y)
     if isinstance(state, tuple):
       nnx_train_step(*state, *args)

@@ -34,26 +34,22 @@ def mesh():
   return jax.make_mesh((4, 2), AXES, axis_types=(AxisType.Auto,) * 2)
 
 
-@functools.cache
-@jax.jit
-def _init_params():  # one program, drawn once
+def _init_params():
   k1, k2 = jax.random.split(jax.random.key(0))
   return {"dense1": {"kernel": jax.random.normal(k1, (16, 32)) * 0.3, "bias": jnp.zeros(32)},
           "dense2": {"kernel": jax.random.normal(k2, (32, 8)) * 0.3, "bias": jnp.zeros(8)}}
+_init_params = functools.cache(jax.jit(_init_params))  # one program, drawn once
 
 
-@jax.jit
-def _batch(step):  # one program for every step
-  kx, ky = jax.random.split(jax.random.fold_in(jax.random.key(1), step))
-  return {"x": jax.random.normal(kx, (32, 16)), "y": jax.random.normal(ky, (32, 8))}
+_batch = jax.jit(lambda step: dict(zip("xy", (jax.random.normal(k, (32, n)) for k, n in zip(
+    jax.random.split(jax.random.fold_in(jax.random.key(1), step)), (16, 8))))))  # one program
 
 
 def _poison(params, inject):
   """Zeros shaped like params, in NumPy; with ``inject``, one inf at POISONED."""
   poison = jax.tree_util.tree_map(lambda p: np.zeros(p.shape, np.float32), params)
   if inject:
-    layer, name, index = POISONED
-    poison[layer][name][index] = np.inf
+    poison[POISONED[0]][POISONED[1]][POISONED[2]] = np.inf
   return poison
 
 
@@ -258,9 +254,8 @@ def test_shard_map_without_axis_name_devices_disagree(mesh):
 def test_pmap_inf_on_one_replica(axis_name):
   tx, params = _make_tx(axis_name=axis_name), {"w": np.ones((8, 4), np.float32)}
   replicate = functools.partial(jax.tree_util.tree_map, lambda x: np.stack([x] * 8))
-  # Per-replica gradients: replica 6 holds one inf (made in NumPy).
-  grads = {"w": np.where(np.arange(256).reshape(8, 8, 4) == 6 * 32 + 2 * 4 + 1, np.inf,
-                         np.ones((8, 8, 4), np.float32))}
+  grads = {"w": np.ones((8, 8, 4), np.float32)}  # per replica: replica 6 holds one inf
+  grads["w"][6, 2, 1] = np.inf
 
   def step(grads, opt_state, params):
     updates, opt_state = tx.update(grads, opt_state, params)
