@@ -9,8 +9,9 @@
   Dense(3), whose batch statistics a skipped step must keep.
 
 Each file's own models stay in that file when only it uses them. ``bits``
-compares trees bit for bit. ``f32`` puts an array on the device and
-``like_flax_init`` draws a Flax model's params, both in NumPy: nothing compiled.
+compares trees bit for bit. ``f32`` puts an array on the device,
+``like_flax_init`` draws a Flax model's params and ``finite`` checks a tree, all in
+NumPy: nothing compiled.
 
 And two helpers for the tests that use the benchmarks: ``benchmark(name)``
 imports ``benchmarks/<name>.py``, and ``DEFAULT_CODEGEN`` is the benchmarks'
@@ -147,6 +148,11 @@ def bits(tree):
   """Treedef and each leaf's dtype, shape, bytes: equal when bit-identical (-0.0 != 0.0)."""
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   return treedef, [(np.asarray(x).dtype, np.shape(x), np.asarray(x).tobytes()) for x in leaves]
+
+
+def finite(tree):
+  """True iff no leaf of ``tree`` holds inf or nan, checked in NumPy: nothing compiled."""
+  return all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(tree))
 
 
 def f32(a):

@@ -21,7 +21,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import jaxmp
-from models import init_mlp, make_batch, mlp, mse
+from models import finite, init_mlp, make_batch, mlp, mse
 
 STEPS, SLOW_STEPS = 2_000, 10_000
 BAD_VALUES = np.array([np.inf, -np.inf, np.nan], np.float32)
@@ -126,10 +126,6 @@ def _run_reference(params, xs, clean, k):
 def run_reference(params, clean, k=1):
   """The bare optimizer (in optax.MultiSteps for k > 1) on the ``clean`` steps only."""
   return _run_reference(params, (DATA[0][:len(clean)], DATA[1][:len(clean)]), clean, k)
-
-
-finite = lambda tree: all(np.isfinite(np.asarray(x, np.float64)).all()
-                         for x in jax.tree_util.tree_leaves(tree))
 
 
 def backoffs_to_recover(loss_scale, n_overflows):

@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jaxmp
+from models import finite as per_leaf  # NumPy's isfinite on each leaf
 
 F32_MAX, F32_TINY, INT32_MAX = float(np.finfo(np.float32).max), 2.0**-126, 2**31 - 1
 STATE_FIELDS = ("loss_scale", "counter", "hysteresis_left", "overflows_at_min")
@@ -347,7 +348,6 @@ def test_equality_compares_type_configuration_and_state_and_hash_the_configurati
 def test_all_finite_decides_as_the_per_leaf_check_on_every_kind_of_leaf(variant):
   """Against NumPy's ``isfinite`` per leaf, on leaves grouped by the check
   in every way (pairs, lone leaves of every dtype, scalars, empty, integers)."""
-  per_leaf = lambda tree: all(np.all(np.isfinite(np.asarray(x))) for x in leaves(tree))
   all_finite = variant(jaxmp.all_finite)
   put = lambda shape, value=1.0, dtype=np.float32: jax.device_put(np.full(shape, value, dtype))
   tree = {"pair": [put((40, 50)), put((40, 50), 2.0)], "lone": put(1000),

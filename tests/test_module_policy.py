@@ -23,7 +23,7 @@ from flax import nnx
 import jaxmp
 import jaxmp.flax
 from matmul_dtypes import input_dtypes, matmul_dtypes
-from models import LinenMLP, f32, like_flax_init
+from models import LinenMLP, f32, finite, like_flax_init
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
 CONV, DOT = "conv_general_dilated", "dot_general"
@@ -436,7 +436,7 @@ def test_a_module_given_the_policys_dtype_keeps_its_variables_and_rngs():
   grads = jax.jit(jax.grad(lambda p: apply({**variables, "params": p}, tokens)[0].sum()))(
       variables["params"])
   chex.assert_trees_all_equal_shapes_and_dtypes(grads, variables["params"])
-  assert all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(grads))
+  assert finite(grads)
 
 
 def fields(module):

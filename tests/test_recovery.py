@@ -17,7 +17,7 @@ from flax import nnx
 
 import jaxmp
 import jaxmp.flax
-from models import LinenBatchNormMLP, NnxBatchNormMLP, f32
+from models import LinenBatchNormMLP, NnxBatchNormMLP, f32, finite
 
 F16 = jnp.float16
 # The fp16 backward pass computes scale * x * cos(w): with x = 6 it is over
@@ -358,7 +358,6 @@ BATCH_NORMS = {"linen": LinenBatchNorm(), "nnx": NnxBatchNorm()}
 
 bits = lambda tree: {jax.tree_util.keystr(path): (np.asarray(x).dtype, np.asarray(x).tobytes())
                      for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
-finite = lambda tree: all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(tree))  # NumPy
 
 
 @pytest.mark.parametrize("framework", sorted(BATCH_NORMS))
