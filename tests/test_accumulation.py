@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jaxmp
-from models import init_mlp, make_batch, mse
+from models import bits, init_mlp, make_batch, mse
 
 K = 4
 
@@ -75,7 +75,6 @@ def test_a_non_finite_micro_batch_skips_its_step_once_without_branch_retrace_or_
 
 GRAD = jax.jit(jax.grad(mse))
 SCALED_GRAD = jax.jit(lambda p, batch, scale: jaxmp.scaled_value_and_grad(mse, scale)(p, batch)[1])
-bits = lambda tree: [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
 negative_zeros = lambda tree: jax.tree_util.tree_map(lambda u: jnp.full_like(u, -0.0), tree)
 
 

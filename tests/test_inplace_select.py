@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxmp
 from jaxmp._src.inplace_select import update_or_keep
-from models import DEFAULT_CODEGEN, benchmark
+from models import DEFAULT_CODEGEN, benchmark, bits
 
 
 def _with_odd_state():
@@ -56,11 +56,6 @@ GRADS = {"w": jnp.full((2, 3), 0.25), "b": jnp.array([[-1.0, 2.0, 0.5]] * 2)}
 _optimizer = functools.cache(lambda name: (tx := OPTIMIZERS[name](), default_jit(tx.update)))
 
 
-def _bits(tree):
-  """The leaves as raw bytes: equal only if bit-identical (signed zeros, nans)."""
-  return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
-
-
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("select", ["in place", "plain", "eager"])
 def test_finite_and_skipped_steps(name, select, monkeypatch):
@@ -70,9 +65,9 @@ def test_finite_and_skipped_steps(name, select, monkeypatch):
   fold = functools.partial(update_or_keep, tx.update)
   update, fold = (tx.update, fold) if select == "eager" else (update, default_jit(fold))
   _, state = update(GRADS, tx.init(PARAMS), PARAMS)  # non-trivial moments, counters
-  assert _bits(fold(jnp.array(True), GRADS, state, PARAMS)) == _bits(update(GRADS, state, PARAMS))
+  assert bits(fold(jnp.array(True), GRADS, state, PARAMS)) == bits(update(GRADS, state, PARAMS))
   bad = jax.tree_util.tree_map(lambda g: g.at[0].set(jnp.inf), GRADS)
-  assert _bits(fold(jnp.array(False), bad, state, PARAMS)[1]) == _bits(state)
+  assert bits(fold(jnp.array(False), bad, state, PARAMS)[1]) == bits(state)
 
 
 @pytest.mark.parametrize("new_state, error", [
@@ -203,7 +198,7 @@ def test_inside_shard_map_a_sharded_state_is_selected_in_place(name, monkeypatch
       outs.append(jax.tree_util.tree_map(np.asarray, (params, state)))
     assert [bool(state.last_finite), int(state.skipped_steps)] == [True, 1]
     # The skipped step kept the params and the inner state bit-identical.
-    assert _bits((outs[1][0], outs[1][1].inner_state)) == _bits(
+    assert bits((outs[1][0], outs[1][1].inner_state)) == bits(
         (outs[0][0], outs[0][1].inner_state))
     runs[switch] = outs
   if name == "chain_clipping":
@@ -211,7 +206,7 @@ def test_inside_shard_map_a_sharded_state_is_selected_in_place(name, monkeypatch
     # programs: the params differ in their last bit.
     chex.assert_trees_all_close(runs["1"], runs["0"], rtol=1e-6, atol=1e-7)
   else:
-    assert _bits(runs["1"]) == _bits(runs["0"])
+    assert bits(runs["1"]) == bits(runs["0"])
 
 
 @pytest.mark.integration  # compiles three transformer steps on 8 devices

@@ -14,7 +14,7 @@ from flax import nnx
 
 import jaxmp
 import jaxmp.flax
-from models import NnxMLP, f32, init_mlp, like_flax_init, make_batch, mse, poison
+from models import NnxMLP, bits, f32, init_mlp, like_flax_init, make_batch, mse, poison
 
 
 def inner_optimizer():
@@ -22,8 +22,6 @@ def inner_optimizer():
   return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=1e-3))
 
 
-# The leaves as raw bytes: equal only if bit-identical (signed zeros too).
-bits = lambda tree: [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
 negative_zeros = lambda tree: jax.tree_util.tree_map(lambda u: jnp.full_like(u, -0.0), tree)
 SCALE = jaxmp.StaticLossScale(8.0)
 mlp_params = lambda *sizes: like_flax_init(  # init_mlp's, drawn in NumPy: no init compiled
@@ -410,6 +408,21 @@ def test_clip_global_norm_clips_as_optax_does():
   assert bool(state.last_finite) and _norm(updates) == pytest.approx(2.0, rel=1e-6)
   np.testing.assert_allclose(updates["a"], [-np.sqrt(2.0), np.sqrt(2.0), 0.0],
                              rtol=1e-6, atol=1e-30)
+
+
+def test_an_unjitted_update_compiles_nothing_the_second_time():
+  """Un-jitted, the check and the clipped norm find the programs their first call compiled."""
+  compiled, params = [], {"w": f32(np.ones((2, 3))), "b": f32(np.ones(3))}
+  listener = lambda event, *_, **__: compiled.append(event) if "backend_compile" in event else None
+  txs = [jaxmp.loss_scaling(optax.sgd(1.0), SCALE, clip_global_norm=c) for c in (None, 1.0)]
+  run = lambda: [tx.update(params, tx.init(params), params) for tx in txs]
+  run()
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    run()
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert compiled == []
 
 
 def test_guard_false_runs_the_bare_update():

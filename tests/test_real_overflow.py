@@ -7,7 +7,7 @@ import numpy as np
 import optax
 
 import jaxmp
-from models import f32, finite
+from models import bits, f32, finite
 
 MIXED = jaxmp.get_policy("mixed_float16")
 FLOAT32 = jaxmp.get_policy("float32")
@@ -36,7 +36,6 @@ def small_loss(params, x, y, policy):  # one small term of a weighted sum of los
   return 3e-7 * mse(params, x, y, policy)
 
 
-bits = lambda tree: [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
 flat = lambda tree: np.concatenate([np.ravel(a) for a in jax.tree_util.tree_leaves(tree)])
 
 
